@@ -1,0 +1,7 @@
+"""mergekit_loco: model merging and DiLoCo aggregation on one task-vector abstraction."""
+
+from mergekit_loco.methods import MergeMethod, get_method, list_methods
+from mergekit_loco.task_vector import TaskVector
+
+__all__ = ["MergeMethod", "TaskVector", "get_method", "list_methods"]
+__version__ = "0.1.0"

@@ -1,0 +1,50 @@
+"""Model Breadcrumbs (Davari & Belilovsky, 2024): drop magnitude outliers and the smallest."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mergekit_loco.methods.base import MergeMethod, check_fraction, mean_of
+
+
+def keep_magnitude_band(delta: torch.Tensor, density: float, gamma: float) -> torch.Tensor:
+    """Zero the top ``gamma`` fraction by magnitude and the smallest, keeping ``density`` of n.
+
+    With n entries sorted by ``|x|``: ``n_top = int(gamma n)`` largest and
+    ``n_bottom = n - int(density n) - n_top`` smallest are dropped (if ``n_bottom < 0`` the band
+    is moved up: ``n_bottom = 0``, ``n_top = n - int(density n)``).
+    """
+    numel = delta.numel()
+    n_keep = int(density * numel)
+    n_top = int(gamma * numel)
+    n_bottom = numel - n_keep - n_top
+    if n_bottom < 0:
+        n_bottom, n_top = 0, numel - n_keep
+    order = delta.abs().flatten().argsort(stable=True)
+    mask = torch.zeros(numel, dtype=torch.bool, device=delta.device)
+    mask[order[n_bottom : numel - n_top]] = True
+    return delta * mask.view(delta.shape)
+
+
+@dataclass(frozen=True)
+class Breadcrumbs(MergeMethod):
+    """``merged = (1/T) sum_t band(tau_t)``: drop the ``gamma`` largest-magnitude entries
+    (outliers) and the smallest, keeping a ``density`` fraction of each tensor.
+
+    density in (0, 1], default 0.9; gamma in [0, 1), default 0.01; density + gamma <= 1 is not
+    required (the band is clipped, see :func:`keep_magnitude_band`).
+    """
+
+    name = "breadcrumbs"
+    density: float = 0.9
+    gamma: float = 0.01
+
+    def __post_init__(self):
+        check_fraction(self.name, "density", self.density, low_open=True, high_open=False)
+        check_fraction(self.name, "gamma", self.gamma, low_open=False, high_open=True)
+
+    def merge_tensor(self, name: str, deltas: Sequence[torch.Tensor]) -> torch.Tensor:
+        return mean_of([keep_magnitude_band(d, self.density, self.gamma) for d in deltas])

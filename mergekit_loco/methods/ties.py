@@ -1,0 +1,57 @@
+"""TIES merging (Yadav et al., 2023): trim, elect sign, disjoint mean."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mergekit_loco.methods.base import MergeMethod, check_fraction
+
+
+def keep_top_magnitude(delta: torch.Tensor, density: float) -> torch.Tensor:
+    """Zero all but the top ``density`` fraction of ``delta`` by magnitude.
+
+    Threshold = k-th smallest ``|x|`` with ``k = n - int(n * density)``; keep ``|x| >= threshold``
+    (ties at the threshold are all kept, as in the reference code).
+    """
+    numel = delta.numel()
+    k = numel - int(numel * density)
+    if k == 0:
+        return delta.clone()
+    threshold = delta.abs().flatten().kthvalue(k).values
+    return delta * (delta.abs() >= threshold)
+
+
+def elect_sign(trimmed: torch.Tensor) -> torch.Tensor:
+    """``sign(sum_t trimmed_t)``; zeros take the sign of the sum of the elected signs."""
+    elected = torch.sign(trimmed.sum(dim=0))
+    majority = torch.sign(elected.sum())
+    return torch.where(elected == 0, majority, elected)
+
+
+def disjoint_mean(trimmed: torch.Tensor, elected: torch.Tensor) -> torch.Tensor:
+    """Mean over t of the entries whose sign agrees with ``elected`` (count clamped to >= 1)."""
+    agrees = torch.where(elected > 0, trimmed > 0, trimmed < 0)
+    selected = trimmed * agrees
+    count = (selected != 0).sum(dim=0).clamp(min=1)
+    return selected.sum(dim=0) / count
+
+
+@dataclass(frozen=True)
+class Ties(MergeMethod):
+    """``merged = disjoint_mean(trim(tau_t, density), elect_sign(...))`` per tensor.
+
+    density: fraction of each task vector's entries kept, in (0, 1]; default 0.2.
+    """
+
+    name = "ties"
+    density: float = 0.2
+
+    def __post_init__(self):
+        check_fraction(self.name, "density", self.density, low_open=True, high_open=False)
+
+    def merge_tensor(self, name: str, deltas: Sequence[torch.Tensor]) -> torch.Tensor:
+        trimmed = torch.stack([keep_top_magnitude(d, self.density) for d in deltas])
+        return disjoint_mean(trimmed, elect_sign(trimmed))

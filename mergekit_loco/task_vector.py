@@ -1,0 +1,125 @@
+"""TaskVector: an ordered mapping from tensor name to delta.
+
+A fine-tune's task vector is ``finetuned - base``; a DiLoCo worker's delta is ``worker - global``.
+Both are the same object here, and every merge method consumes a list of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+
+
+def is_mergeable(tensor: torch.Tensor) -> bool:
+    """Floating tensors are merged; integer and boolean tensors (buffers, ids) are copied."""
+    return tensor.is_floating_point()
+
+
+class TaskVector(Mapping[str, torch.Tensor]):
+    """Ordered ``name -> delta`` mapping with vector-space arithmetic.
+
+    ``TaskVector(mapping)`` wraps any name -> tensor mapping (no copy). Arithmetic returns new
+    TaskVectors: ``a + b``, ``a - b``, ``c * a``, ``-a``. Keys must match exactly.
+    """
+
+    def __init__(self, deltas: Mapping[str, torch.Tensor]):
+        self._deltas: dict[str, torch.Tensor] = dict(deltas)
+
+    # -- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_state_dicts(
+        cls,
+        finetuned: Mapping[str, torch.Tensor],
+        base: Mapping[str, torch.Tensor],
+        dtype: torch.dtype = torch.float32,
+    ) -> TaskVector:
+        """``tau = finetuned - base`` over the floating tensors, computed in ``dtype``."""
+        missing = [name for name in base if name not in finetuned]
+        if missing:
+            raise KeyError(
+                f"tensor {missing[0]!r} of the base is missing from the fine-tuned model"
+            )
+        deltas = {}
+        for name, base_tensor in base.items():
+            if not is_mergeable(base_tensor):
+                continue
+            tuned = finetuned[name]
+            if tuned.shape != base_tensor.shape:
+                raise ValueError(
+                    f"tensor {name!r}: shape {tuple(tuned.shape)} differs from the base's "
+                    f"{tuple(base_tensor.shape)}"
+                )
+            deltas[name] = tuned.to(dtype) - base_tensor.to(dtype)
+        return cls(deltas)
+
+    @classmethod
+    def from_checkpoints(
+        cls, finetuned: str | Path, base: str | Path, dtype: torch.dtype = torch.float32
+    ) -> TaskVector:
+        """Load two checkpoints (file or HF folder) fully and subtract. For big models prefer
+        :func:`mergekit_loco.merge_checkpoints`, which streams one tensor at a time."""
+        from mergekit_loco.io import open_checkpoint
+
+        with open_checkpoint(finetuned) as tuned_reader, open_checkpoint(base) as base_reader:
+            base_sd = {name: base_reader.get(name) for name in base_reader.names()}
+            tuned_sd = {name: tuned_reader.get(name) for name in base_sd if name in tuned_reader}
+        return cls.from_state_dicts(tuned_sd, base_sd, dtype=dtype)
+
+    # -- mapping protocol -----------------------------------------------------------------------
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._deltas[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._deltas)
+
+    def __len__(self) -> int:
+        return len(self._deltas)
+
+    def __repr__(self) -> str:
+        numel = sum(t.numel() for t in self._deltas.values())
+        return f"TaskVector({len(self)} tensors, {numel} elements)"
+
+    # -- arithmetic ---------------------------------------------------------------------------
+    def _zip(self, other: TaskVector) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+        if set(self) != set(other):
+            diff = sorted(set(self) ^ set(other))
+            raise KeyError(f"task vectors hold different tensors, e.g. {diff[0]!r}")
+        for name, delta in self._deltas.items():
+            yield name, delta, other[name]
+
+    def __add__(self, other: TaskVector) -> TaskVector:
+        return TaskVector({name: a + b for name, a, b in self._zip(other)})
+
+    def __sub__(self, other: TaskVector) -> TaskVector:
+        return TaskVector({name: a - b for name, a, b in self._zip(other)})
+
+    def __mul__(self, scalar: float) -> TaskVector:
+        return TaskVector({name: delta * scalar for name, delta in self._deltas.items()})
+
+    __rmul__ = __mul__
+
+    def __neg__(self) -> TaskVector:
+        return self * -1.0
+
+    def to(self, dtype: torch.dtype | None = None, device: str | torch.device | None = None):
+        """Cast / move every delta."""
+        return TaskVector({n: d.to(device=device, dtype=dtype) for n, d in self._deltas.items()})
+
+    def apply_to(
+        self, base: Mapping[str, torch.Tensor], scale: float = 1.0
+    ) -> dict[str, torch.Tensor]:
+        """``theta = base + scale * tau`` in float32 (or the delta's dtype if wider), returned in
+        the base's dtype. Base tensors without a delta (integer buffers) are copied unchanged."""
+        merged = {}
+        for name, base_tensor in base.items():
+            if name not in self._deltas:
+                merged[name] = base_tensor.clone()
+                continue
+            delta = self._deltas[name]
+            compute = torch.promote_types(delta.dtype, torch.float32)
+            merged[name] = (base_tensor.to(compute) + scale * delta.to(compute)).to(
+                base_tensor.dtype
+            )
+        return merged
