@@ -49,7 +49,10 @@ def newton_schulz(matrix: torch.Tensor, steps: int = NS_STEPS) -> torch.Tensor:
 
 
 def rms_singular_value(matrix: torch.Tensor) -> torch.Tensor:
-    """``sqrt(mean(s^2)) = ||M||_F / sqrt(min(m, n))``; >= mean(s), equal iff the spectrum is flat."""
+    """``rms(s) = sqrt(mean(s^2)) = ||M||_F / sqrt(min(m, n))``.
+
+    rms(s) >= mean(s), with equality iff the spectrum is flat; needs no SVD.
+    """
     return torch.linalg.matrix_norm(matrix) / min(matrix.shape) ** 0.5
 
 
