@@ -2,6 +2,7 @@
 
 from mergekit_loco.methods import MergeMethod, get_method, list_methods
 from mergekit_loco.task_vector import TaskVector
+from mergekit_loco.train.outer import OuterOptimizer
 
-__all__ = ["MergeMethod", "TaskVector", "get_method", "list_methods"]
+__all__ = ["MergeMethod", "OuterOptimizer", "TaskVector", "get_method", "list_methods"]
 __version__ = "0.1.0"

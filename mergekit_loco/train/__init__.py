@@ -1,0 +1,5 @@
+"""DiLoCo training where every merge method is the aggregator."""
+
+from mergekit_loco.train.outer import OuterOptimizer
+
+__all__ = ["OuterOptimizer"]
