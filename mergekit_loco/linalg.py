@@ -13,8 +13,12 @@ NS_STEPS = 5
 
 
 def thin_svd(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``matrix = U diag(s) Vh`` with U: m x d, s: d (descending), Vh: d x n."""
-    return torch.linalg.svd(matrix, full_matrices=False)
+    """``matrix = U diag(s) Vh`` with U: m x d, s: d (descending), Vh: d x n.
+
+    Computed (and returned) in float32 at least: there is no half-precision SVD kernel.
+    """
+    compute = torch.promote_types(matrix.dtype, torch.float32)
+    return torch.linalg.svd(matrix.to(compute), full_matrices=False)
 
 
 def polar_factor(matrix: torch.Tensor) -> torch.Tensor:
@@ -23,7 +27,7 @@ def polar_factor(matrix: torch.Tensor) -> torch.Tensor:
     It is the nearest matrix with orthonormal columns (or rows) in Frobenius norm.
     """
     left, _, right_h = thin_svd(matrix)
-    return left @ right_h
+    return (left @ right_h).to(matrix.dtype)
 
 
 def newton_schulz(matrix: torch.Tensor, steps: int = NS_STEPS) -> torch.Tensor:
@@ -74,7 +78,7 @@ def isotropic(matrix: torch.Tensor, spectral: str = "exact", rank_aware: bool = 
         left, singular, right_h = left[:, :rank], singular[:rank], right_h[:rank]
         if rank == 0:
             return torch.zeros_like(matrix)
-    return singular.mean() * (left @ right_h)
+    return (singular.mean() * (left @ right_h)).to(matrix.dtype)
 
 
 def numerical_rank(singular: torch.Tensor, shape: torch.Size | tuple[int, int]) -> int:

@@ -58,6 +58,12 @@ def is_matrix(delta: torch.Tensor) -> bool:
     return delta.ndim == 2
 
 
+def in_svd_precision(deltas: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The deltas in float32 at least (there is no half-precision SVD); cast results back."""
+    compute = torch.promote_types(deltas[0].dtype, torch.float32)
+    return [delta.to(compute) for delta in deltas]
+
+
 def check_fraction(method: str, option: str, value: float, low_open: bool, high_open: bool):
     """Raise ``ValueError`` unless ``value`` lies in the interval (low, high) with given ends."""
     low_ok = value > 0 if low_open else value >= 0

@@ -33,10 +33,11 @@ class Dare(MergeMethod):
     def __post_init__(self):
         check_fraction(self.name, "density", self.density, low_open=True, high_open=False)
 
-    def merge_tensor(self, name: str, deltas: Sequence[torch.Tensor]) -> torch.Tensor:
+    def drop(self, name: str, delta: torch.Tensor, task_index: int) -> torch.Tensor:
+        """``m_t * tau_t / density`` with the mask of (seed, ``name``, ``task_index``)."""
         generator = torch.Generator()
-        dropped = []
-        for task_index, delta in enumerate(deltas):
-            generator.manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()) + task_index)
-            dropped.append(drop_and_rescale(delta, self.density, generator))
-        return mean_of(dropped)
+        generator.manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()) + task_index)
+        return drop_and_rescale(delta, self.density, generator)
+
+    def merge_tensor(self, name: str, deltas: Sequence[torch.Tensor]) -> torch.Tensor:
+        return mean_of([self.drop(name, delta, index) for index, delta in enumerate(deltas)])

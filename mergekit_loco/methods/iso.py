@@ -8,7 +8,13 @@ from dataclasses import dataclass
 import torch
 
 from mergekit_loco.linalg import isotropic, newton_schulz, polar_factor, thin_svd
-from mergekit_loco.methods.base import MergeMethod, check_fraction, is_matrix, mean_of
+from mergekit_loco.methods.base import (
+    MergeMethod,
+    check_fraction,
+    in_svd_precision,
+    is_matrix,
+    mean_of,
+)
 
 SPECTRAL_CHOICES = ("exact", "ns")
 
@@ -39,7 +45,8 @@ class IsoC(MergeMethod):
     def merge_tensor(self, name: str, deltas: Sequence[torch.Tensor]) -> torch.Tensor:
         if not is_matrix(deltas[0]):
             return mean_of(deltas)
-        return isotropic(torch.stack(list(deltas)).sum(dim=0), self.spectral, self.rank_aware)
+        summed = torch.stack(in_svd_precision(deltas)).sum(dim=0)
+        return isotropic(summed, self.spectral, self.rank_aware).to(deltas[0].dtype)
 
 
 def split_subspaces(name: str, dim: int, tasks: int, common_fraction: float) -> tuple[int, int]:
@@ -106,6 +113,7 @@ class IsoCts(MergeMethod):
         common, per_task = split_subspaces(
             name, min(deltas[0].shape), len(deltas), self.common_fraction
         )
-        shared = common_subspace(torch.stack(list(deltas)).sum(dim=0), common)
-        specific = [task_specific_factors(d, shared[0], per_task) for d in deltas]
-        return isotropic_from_factors([*specific, shared], self.spectral)
+        precise = in_svd_precision(deltas)
+        shared = common_subspace(torch.stack(precise).sum(dim=0), common)
+        specific = [task_specific_factors(d, shared[0], per_task) for d in precise]
+        return isotropic_from_factors([*specific, shared], self.spectral).to(deltas[0].dtype)

@@ -31,12 +31,22 @@ def elect_sign(trimmed: torch.Tensor) -> torch.Tensor:
     return torch.where(elected == 0, majority, elected)
 
 
-def disjoint_mean(trimmed: torch.Tensor, elected: torch.Tensor) -> torch.Tensor:
-    """Mean over t of the entries whose sign agrees with ``elected`` (count clamped to >= 1)."""
+def agreeing_sum_and_count(trimmed: torch.Tensor, elected: torch.Tensor):
+    """``(sum_t a_t, #{t: a_t != 0})`` with ``a_t`` = the entries of ``trimmed_t`` whose sign
+    agrees with ``elected`` (both are sums over t, so they add up across groups of tasks)."""
     agrees = torch.where(elected > 0, trimmed > 0, trimmed < 0)
     selected = trimmed * agrees
-    count = (selected != 0).sum(dim=0).clamp(min=1)
-    return selected.sum(dim=0) / count
+    return selected.sum(dim=0), (selected != 0).sum(dim=0)
+
+
+def divide_by_count(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """``total / max(count, 1)``: the disjoint mean from the agreeing sum and count."""
+    return total / count.clamp(min=1)
+
+
+def disjoint_mean(trimmed: torch.Tensor, elected: torch.Tensor) -> torch.Tensor:
+    """Mean over t of the entries whose sign agrees with ``elected`` (count clamped to >= 1)."""
+    return divide_by_count(*agreeing_sum_and_count(trimmed, elected))
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from mergekit_loco.linalg import polar_factor, thin_svd
-from mergekit_loco.methods.base import MergeMethod, is_matrix, mean_of
+from mergekit_loco.methods.base import MergeMethod, in_svd_precision, is_matrix, mean_of
 
 LowRank = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -32,20 +32,23 @@ def orthogonalised_sum(factors: Sequence[LowRank]) -> torch.Tensor:
 
 
 def tsv_rank(name: str, shape: torch.Size, tasks: int) -> int:
-    """Components kept per task: ``r = int(min(m, n) / T)``; an error if that is 0."""
-    rank = min(shape) // tasks
+    """Components kept per task: ``r = int(min(m, n) * (1 / T))``; an error if that is 0.
+
+    The product with ``1 / T`` (not ``min(m, n) // T``) is the reference's float rounding: it
+    is one less for some multiples of T (e.g. ``int(98 * (1 / 49)) = 1``).
+    """
+    rank = int(min(shape) * (1 / tasks))
     if rank == 0:
         raise ValueError(
-            f"tsv: tensor {name!r} of shape {tuple(shape)} has min(m, n) = {min(shape)} < "
-            f"{tasks} tasks, so no singular component is left per task; use fewer tasks or "
-            "another method"
+            f"tsv: tensor {name!r} of shape {tuple(shape)} leaves no singular component for "
+            f"each of {tasks} tasks (min(m, n) = {min(shape)}); use fewer tasks or another method"
         )
     return rank
 
 
 @dataclass(frozen=True)
 class Tsv(MergeMethod):
-    """TSV-M per matrix: keep the top ``r = int(d/T)`` SVD components of each tau_t, stack
+    """TSV-M per matrix: keep the top ``r = int(d * (1/T))`` SVD components of each tau_t, stack
     them, replace the stacked U and V^T by their polar factors:
     ``merged = U_perp diag(s) V^T_perp``. Non-matrix tensors: mean over tasks.
     """
@@ -56,4 +59,5 @@ class Tsv(MergeMethod):
         if not is_matrix(deltas[0]):
             return mean_of(deltas)
         rank = tsv_rank(name, deltas[0].shape, len(deltas))
-        return orthogonalised_sum([truncated_factors(d, rank) for d in deltas])
+        factors = [truncated_factors(d, rank) for d in in_svd_precision(deltas)]
+        return orthogonalised_sum(factors).to(deltas[0].dtype)

@@ -1,0 +1,696 @@
+"""Text sources, a local byte-level BPE tokenizer, cached token streams and worker batches.
+
+A data spec is a comma-separated list of sources: ``stdlib`` (default), ``pydoc``, ``austen``,
+``bible``, or a path (text file, ``.jsonl`` file, folder). Documents are joined as
+``doc EOS doc EOS ...``. Documents are ordered by ``sha256(seed, name)``; the first ones in that
+order are held out whole for validation until ``val_tokens`` are reached, the rest form the
+training stream, cut at ``max_train_tokens``. Worker ``r`` of ``R`` reads the ``r``-th of ``R``
+equal contiguous slices of the training stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import hashlib
+import json
+import os
+import re
+import shutil
+import struct
+import sysconfig
+import tempfile
+import zlib
+from array import array
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+EOS_TOKEN = "<|endoftext|>"
+BUILTIN_SOURCES = ("stdlib", "pydoc", "austen", "bible")
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl")
+TOKENIZER_TRAIN_CHARS = 4_000_000
+_STDLIB_SKIPPED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
+_CACHE_FORMAT = 1  # bump whenever a change alters the tokenizer or the token streams
+_ENCODE_CHUNK = 64  # documents per encode_batch call
+
+
+class DataExhausted(ValueError):
+    """A worker's shard has fewer tokens left than the batch it asked for."""
+
+
+@dataclass(frozen=True)
+class Document:
+    """A named document whose text is read on demand; ``stamp`` changes when the text may."""
+
+    name: str
+    stamp: str
+    read: Callable[[], str]
+
+
+@dataclass
+class PreparedData:
+    """Token streams ready for training: 1-D int64 ``train`` and held-out ``val`` ids."""
+
+    tokenizer: PreTrainedTokenizerBase
+    train: torch.Tensor
+    val: torch.Tensor
+    eos_id: int
+    description: str
+    val_documents: tuple[str, ...] = ()
+    """Names of the documents held out for validation, in the order their tokens appear."""
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+
+def cache_root() -> Path:
+    """``$MLOCO_CACHE``, else ``~/.cache/mergekit_loco``."""
+    return Path(os.environ.get("MLOCO_CACHE", "~/.cache/mergekit_loco")).expanduser()
+
+
+# -- sources ------------------------------------------------------------------------------------
+def load_documents(spec: str) -> list[Document]:
+    """The documents of a comma-separated data spec, each source in a fixed sorted order."""
+    parts = [part.strip() for part in spec.split(",")]
+    if not spec.strip() or not all(parts):
+        raise ValueError(f"data spec {spec!r} has an empty source")
+    documents: list[Document] = []
+    for part in parts:
+        documents.extend(_source_documents(part))
+    seen: set[str] = set()
+    for document in documents:
+        if document.name in seen:
+            raise ValueError(f"data spec {spec!r} includes document {document.name!r} twice")
+        seen.add(document.name)
+    return documents
+
+
+def _source_documents(source: str) -> list[Document]:
+    if source == "stdlib":
+        return _stdlib_documents()
+    if source == "pydoc":
+        return _pydoc_documents()
+    if source == "austen":
+        return _austen_documents()
+    if source == "bible":
+        return _bible_documents()
+    path = Path(source).expanduser()
+    if path.is_dir():
+        files = sorted(
+            file
+            for file in path.rglob("*")
+            if file.is_file()
+            and file.suffix in TEXT_SUFFIXES
+            and not any(part.startswith(".") for part in file.relative_to(path).parts)
+        )
+        root = source.rstrip("/")
+        documents = [
+            document
+            for file in files
+            for document in _file_documents(file, f"{root}/{file.relative_to(path).as_posix()}")
+        ]
+        if not documents:
+            raise ValueError(f"data folder {source!r} holds no {'/'.join(TEXT_SUFFIXES)} files")
+        return documents
+    if path.is_file():
+        return _file_documents(path, source)
+    raise ValueError(
+        f"unknown data source {source!r}: not one of {', '.join(BUILTIN_SOURCES)} "
+        "and no such file or folder"
+    )
+
+
+def _file_documents(path: Path, name: str) -> list[Document]:
+    """One document per text file; one per line (its "text" field) of a ``.jsonl`` file."""
+    stat = path.stat()
+    stamp = f"{stat.st_size}:{stat.st_mtime_ns}"
+    if path.suffix != ".jsonl":
+        return [Document(name, stamp, lambda: path.read_text(encoding="utf-8", errors="replace"))]
+    documents = []
+    with path.open(encoding="utf-8", errors="replace") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                text = json.loads(line)["text"]
+            except (json.JSONDecodeError, KeyError, TypeError) as error:
+                raise ValueError(
+                    f'{path}:{number}: expected a JSON object with a "text" string'
+                ) from error
+            if not isinstance(text, str):
+                raise ValueError(f'{path}:{number}: "text" is not a string')
+            documents.append(Document(f"{name}:{number}", stamp, lambda text=text: text))
+    return documents
+
+
+def _stdlib_documents() -> list[Document]:
+    """The standard library's own ``.py`` files (no tests, idlelib or installed packages)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = [name for name in subfolders if name not in _STDLIB_SKIPPED_DIRS]
+        files += [Path(folder, name) for name in names if name.endswith(".py")]
+    return [
+        document
+        for path in sorted(files, key=lambda path: path.relative_to(root).parts)
+        if os.access(path, os.R_OK)
+        for document in _file_documents(path, f"stdlib/{path.relative_to(root).as_posix()}")
+    ]
+
+
+def _pydoc_documents() -> list[Document]:
+    """English reference prose shipped with CPython: one document per ``pydoc_data`` topic."""
+    try:
+        from pydoc_data.topics import topics
+    except ImportError as error:
+        raise ValueError("data source 'pydoc': this Python has no pydoc_data.topics") from error
+    return [
+        Document(f"pydoc/{name}", hashlib.sha256(text.encode()).hexdigest(), lambda text=text: text)
+        for name, text in sorted(topics.items())
+    ]
+
+
+def _missing_debian_data(source: str, env: str, package: str, folder: Path) -> ValueError:
+    return ValueError(
+        f"data source {source!r} needs the Debian package {package} unpacked in {folder} "
+        f"(or set ${env}); run: apt-get download {package} && "
+        f"dpkg -x {package}_*.deb {folder}"
+    )
+
+
+def _austen_documents() -> list[Document]:
+    """Jane Austen's six novels from r-cran-janeaustenr, one document per chapter."""
+    folder = Path(os.environ.get("MLOCO_AUSTEN_DIR", cache_root() / "austen")).expanduser()
+    indexes = sorted(folder.rglob("janeaustenr/data/Rdata.rdx")) if folder.is_dir() else []
+    if not indexes:
+        raise _missing_debian_data("austen", "MLOCO_AUSTEN_DIR", "r-cran-janeaustenr", folder)
+    stamp = str(indexes[0].with_suffix(".rdb").stat().st_size)
+    heading = re.compile(r"^chapter\s+[\divxlc]+\b", re.IGNORECASE)
+    documents = []
+    for book, lines in read_r_lazyload_strings(indexes[0]).items():
+        chapters = _split_before(lines, heading)
+        for number, chapter in enumerate(chapters):
+            text = "\n".join(chapter).strip() + "\n"
+            documents.append(Document(f"austen/{book}/{number:03d}", stamp, lambda t=text: t))
+    return documents
+
+
+def _split_before(lines: list[str], heading: re.Pattern) -> list[list[str]]:
+    """Split ``lines`` into runs, each starting at a heading line (the first run may not)."""
+    runs: list[list[str]] = [[]]
+    for line in lines:
+        if heading.match(line) and any(text.strip() for text in runs[-1]):
+            runs.append([])
+        runs[-1].append(line)
+    return runs
+
+
+def read_r_lazyload_strings(index_path: Path) -> dict[str, list[str]]:
+    """The character vectors of an R lazy-load database (``X.rdx`` index + ``X.rdb`` data).
+
+    Each entry of the ``.rdb`` is a 4-byte big-endian length then a zlib stream of an R XDR
+    serialization; the ``.rdx`` is a gzipped serialization of ``list(variables = list(name =
+    c(offset, length)), ...)``. Only the value types these datasets use are decoded.
+    """
+    index = _RReader(gzip.decompress(index_path.read_bytes())).read()
+    variables = index["variables"]
+    blob = index_path.with_suffix(".rdb").read_bytes()
+    vectors = {}
+    for name, (offset, length) in variables.items():
+        value = _RReader(zlib.decompress(blob[offset + 4 : offset + length])).read()
+        if isinstance(value, list) and all(item is None or isinstance(item, str) for item in value):
+            vectors[name] = [item or "" for item in value]
+    return vectors
+
+
+class _RReader:
+    """A minimal reader of R's XDR serialization format (versions 2 and 3)."""
+
+    _NIL, _REF, _SYMBOL, _PAIRLIST, _CHARS = 254, 255, 1, 2, 9
+    _LOGICAL, _INTEGER, _REAL, _STRINGS, _LIST = 10, 13, 14, 16, 19
+
+    def __init__(self, raw: bytes):
+        if raw[:2] != b"X\n":
+            raise ValueError("not an R XDR serialization")
+        self.raw, self.offset, self.references = raw, 2, []
+        version = self._int()
+        self.offset += 8  # writer and minimal reader R versions
+        if version == 3:
+            encoding_length = self._int()  # then the native encoding's name
+            self.offset += encoding_length
+
+    def _int(self) -> int:
+        (value,) = struct.unpack_from(">i", self.raw, self.offset)
+        self.offset += 4
+        return value
+
+    def read(self):
+        """Vectors become lists (named ones dicts), symbols strings, NA/NULL None."""
+        flags = self._int()
+        kind, has_attributes, has_tag = flags & 0xFF, flags & (1 << 9), flags & (1 << 10)
+        if kind == self._NIL:
+            return None
+        if kind == self._REF:
+            return self.references[(flags >> 8 or self._int()) - 1]
+        if kind == self._SYMBOL:
+            symbol = self.read()
+            self.references.append(symbol)
+            return symbol
+        if kind == self._CHARS:
+            length = self._int()
+            if length == -1:
+                return None
+            self.offset += length
+            return self.raw[self.offset - length : self.offset].decode("utf-8", errors="replace")
+        if kind == self._PAIRLIST:
+            pairs = {}
+            if has_attributes:
+                self.read()
+            tag = self.read() if has_tag else None
+            pairs[tag] = self.read()
+            rest = self.read()
+            return {**pairs, **(rest or {})}
+        length = self._int()
+        if kind in (self._LOGICAL, self._INTEGER, self._REAL):
+            code = "d" if kind == self._REAL else "i"
+            values = list(struct.unpack_from(f">{length}{code}", self.raw, self.offset))
+            self.offset += length * struct.calcsize(code)
+        elif kind in (self._STRINGS, self._LIST):
+            values = [self.read() for _ in range(length)]
+        else:
+            raise ValueError(f"R serialization: value type {kind} is not supported")
+        attributes = self.read() if has_attributes else {}
+        names = attributes.get("names")
+        return dict(zip(names, values, strict=True)) if names and kind == self._LIST else values
+
+
+def _bible_documents() -> list[Document]:
+    """The World English Bible from sword-text-web, one document per chapter (notes dropped)."""
+    folder = Path(os.environ.get("MLOCO_BIBLE_DIR", cache_root() / "bible")).expanduser()
+    modules = sorted(folder.rglob("engWEB*/ot.bzz")) if folder.is_dir() else []
+    if not modules:
+        raise _missing_debian_data("bible", "MLOCO_BIBLE_DIR", "sword-text-web", folder)
+    module = modules[0].parent
+    stamp = str(sum((module / f"{part}.bzz").stat().st_size for part in ("ot", "nt")))
+    return [
+        Document(f"bible/{chapter}", stamp, lambda t=text: t)
+        for chapter, text in read_sword_ztext_chapters(module).items()
+    ]
+
+
+def read_sword_ztext_chapters(module: Path) -> dict[str, str]:
+    """Chapters (OSIS id -> plain text) of a SWORD zText module with OSIS markup.
+
+    ``{ot,nt}.bzs`` lists blocks as little-endian uint32 (offset, size, uncompressed size) into
+    ``{ot,nt}.bzz``, each a zlib stream of the OSIS text; chapters start at ``<chapter sID=...>``
+    and end at the next chapter or book. Book title pages and footnotes are dropped.
+    """
+    markup = []
+    for testament in ("ot", "nt"):
+        index = (module / f"{testament}.bzs").read_bytes()
+        blocks = (module / f"{testament}.bzz").read_bytes()
+        for offset, size, _ in struct.iter_unpack("<III", index):
+            markup.append(zlib.decompress(blocks[offset : offset + size]).decode("utf-8"))
+    osis = re.sub(r"<note\b.*?</note>", " ", "".join(markup), flags=re.DOTALL)
+    osis = re.sub(r'<div eID="[^"]*" type="x-p"/>|</l>', "\n", osis)
+    pieces = re.split(r'<chapter\b[^>]*\bsID="([^"]+)"[^>]*/>', osis)
+    chapters = {}
+    for chapter, body in zip(pieces[1::2], pieces[2::2], strict=True):
+        body = re.split(r'<div\b[^>]*\btype="book"', body)[0]  # the next book's title page
+        text = re.sub(r"<[^>]+>", "", body)
+        text = re.sub(r"[ \t]+", " ", text)
+        text = re.sub(r" ([,.;:!?’”)])", r"\1", text)
+        text = re.sub(r"\s*\n\s*", "\n", text).strip()
+        if text:
+            chapters[chapter] = text + "\n"
+    return chapters
+
+
+def _fingerprint(documents: Iterable[Document]) -> str:
+    digest = hashlib.sha256()
+    for document in documents:
+        digest.update(f"{document.name}\0{document.stamp}\0".encode())
+    return digest.hexdigest()
+
+
+def _hash_order(documents: list[Document], salt: str) -> list[Document]:
+    """Documents in the deterministic pseudo-random order of ``sha256(salt, name)``."""
+    return sorted(
+        documents, key=lambda doc: hashlib.sha256(f"{salt}\0{doc.name}".encode()).digest()
+    )
+
+
+# -- tokenizer ----------------------------------------------------------------------------------
+def train_tokenizer(
+    documents: Iterable[str],
+    vocab_size: int = 4096,
+    max_chars: int = TOKENIZER_TRAIN_CHARS,
+) -> PreTrainedTokenizerFast:
+    """Byte-level BPE (GPT-2 pre-tokenization) trained on the first ``max_chars`` characters.
+
+    ``<|endoftext|>`` is the only special token and serves as EOS, BOS and padding.
+    """
+    if vocab_size < 257:
+        raise ValueError(f"vocab_size must be >= 257 (256 bytes + EOS), got {vocab_size}")
+
+    def sample() -> Iterator[str]:
+        budget = max_chars
+        for text in documents:
+            if budget <= 0:
+                return
+            yield text[:budget]
+            budget -= len(text)
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(sample(), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token=EOS_TOKEN,
+        bos_token=EOS_TOKEN,
+        pad_token=EOS_TOKEN,
+        model_max_length=2**62,
+    )
+
+
+def load_or_train_tokenizer(
+    data_spec: str,
+    vocab_size: int = 4096,
+    cache_dir: Path | None = None,
+    documents: list[Document] | None = None,
+) -> PreTrainedTokenizerFast:
+    """The BPE tokenizer of ``data_spec``, trained once and then read from the cache.
+
+    Keyed by (vocab size, document names and stamps); stored as a Hugging Face
+    tokenizer folder ``<cache_dir>/tokenizers/bpe<vocab>-<key>``.
+    """
+    documents = load_documents(data_spec) if documents is None else documents
+    key = _key(_CACHE_FORMAT, vocab_size, _fingerprint(documents))
+    folder = (cache_dir or cache_root()) / "tokenizers" / f"bpe{vocab_size}-{key[:16]}"
+    if not (folder / "tokenizer.json").is_file():
+        texts = (doc.read() for doc in _hash_order(documents, "tokenizer"))
+        tokenizer = train_tokenizer(texts, vocab_size)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+        tokenizer.save_pretrained(staging)
+        staging.chmod(0o755)
+        try:
+            os.replace(staging, folder)
+        except OSError:  # another process finished first; its copy is identical
+            shutil.rmtree(staging, ignore_errors=True)
+            if not (folder / "tokenizer.json").is_file():
+                raise
+    return load_tokenizer(folder)
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """A Hugging Face tokenizer from a local folder (never downloads)."""
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise ValueError(f"tokenizer {str(path)!r}: no such folder")
+    try:
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"tokenizer {str(path)!r} cannot be loaded: {error}") from error
+
+
+def _tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab()))
+    return hashlib.sha256(f"{type(tokenizer).__name__}\0{text}".encode()).hexdigest()
+
+
+def _batch_encoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[list[str]], list[list[int]]]:
+    """texts -> token ids, without special tokens, truncation or padding."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"]
+    backend = Tokenizer.from_str(backend.to_str())  # a private copy: settings changed below
+    backend.no_truncation()
+    backend.no_padding()
+    return lambda texts: [
+        encoding.ids for encoding in backend.encode_batch(texts, add_special_tokens=False)
+    ]
+
+
+def _key(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+
+
+# -- token streams ------------------------------------------------------------------------------
+def prepare_data(
+    spec: str = "stdlib",
+    tokenizer: str | Path | None = None,
+    cache_dir: Path | None = None,
+    max_train_tokens: int | None = None,
+    val_tokens: int = 65536,
+    vocab_size: int = 4096,
+    seed: int = 0,
+) -> PreparedData:
+    """Tokenize ``spec`` into ``train`` and ``val`` streams (``doc EOS doc EOS ...``), cached.
+
+    Documents in ``sha256(seed, name)`` order: whole documents go to validation until it holds
+    ``val_tokens`` (then cut to exactly that), the following ones to training until it holds
+    ``max_train_tokens`` (then cut; None takes all). No held-out document's token is trained on.
+    """
+    if val_tokens < 0 or (max_train_tokens is not None and max_train_tokens < 1):
+        raise ValueError(
+            f"need val_tokens >= 0 and max_train_tokens >= 1, got {val_tokens}, {max_train_tokens}"
+        )
+    cache_dir = cache_dir or cache_root()
+    documents = load_documents(spec)
+    if tokenizer is None:
+        tokenizer_object = load_or_train_tokenizer(spec, vocab_size, cache_dir, documents)
+        tokenizer_name = f"byte-level BPE {len(tokenizer_object)}"
+    else:
+        tokenizer_object = load_tokenizer(tokenizer)
+        tokenizer_name = str(tokenizer)
+    eos_id = tokenizer_object.eos_token_id
+    if eos_id is None:
+        raise ValueError(f"tokenizer {tokenizer_name!r} defines no EOS token")
+    key = _key(
+        _CACHE_FORMAT,
+        _fingerprint(documents),
+        _tokenizer_fingerprint(tokenizer_object),
+        max_train_tokens,
+        val_tokens,
+        seed,
+    )
+    path = cache_dir / "tokens" / f"{key[:24]}.pt"
+    if path.is_file():
+        cached = torch.load(path, weights_only=True)
+    else:
+        cached = _tokenize_split(
+            documents, tokenizer_object, eos_id, spec, max_train_tokens, val_tokens, seed
+        )
+        _save_atomically(cached, path)
+    description = (
+        f"{spec}: {cached['documents']} documents ({len(cached['val_documents'])} held out), "
+        f"{cached['train'].numel():,} train and {cached['val'].numel():,} val tokens, "
+        f"tokenizer {tokenizer_name}"
+    )
+    return PreparedData(
+        tokenizer=tokenizer_object,
+        train=cached["train"].long(),
+        val=cached["val"].long(),
+        eos_id=eos_id,
+        description=description,
+        val_documents=tuple(cached["val_documents"]),
+    )
+
+
+def _tokenize_split(
+    documents: list[Document],
+    tokenizer: PreTrainedTokenizerBase,
+    eos_id: int,
+    spec: str,
+    max_train_tokens: int | None,
+    val_tokens: int,
+    seed: int,
+) -> dict:
+    order = _hash_order(documents, str(seed))
+    encoded = _encoded_documents(order, tokenizer, eos_id)
+    val = array("q")
+    held_out = 0
+    while len(val) < val_tokens:
+        ids = next(encoded, None)
+        if ids is None:
+            raise ValueError(
+                f"data {spec!r} has only {len(val):,} tokens in all, fewer than the "
+                f"{val_tokens:,} validation tokens requested"
+            )
+        val.extend(ids)
+        held_out += 1
+    train = array("q")
+    for ids in encoded:
+        train.extend(ids)
+        if max_train_tokens is not None and len(train) >= max_train_tokens:
+            break
+    if not train or (max_train_tokens is not None and len(train) < max_train_tokens):
+        raise ValueError(
+            f"data {spec!r} has {len(train):,} training tokens ({len(documents) - held_out} "
+            f"documents after holding out {held_out} for {val_tokens:,} validation tokens); "
+            f"{max_train_tokens or 1:,} requested"
+        )
+    return {
+        "train": _int32_tensor(train[:max_train_tokens]),
+        "val": _int32_tensor(val[:val_tokens]),
+        "documents": len(documents),
+        "val_documents": [document.name for document in order[:held_out]],
+    }
+
+
+def _int32_tensor(ids: array) -> torch.Tensor:
+    if not ids:
+        return torch.zeros(0, dtype=torch.int32)
+    return torch.frombuffer(ids, dtype=torch.int64).to(torch.int32)
+
+
+def _encoded_documents(
+    documents: list[Document], tokenizer: PreTrainedTokenizerBase, eos_id: int
+) -> Iterator[list[int]]:
+    """Token ids of each document followed by EOS, encoded lazily in chunks."""
+    encode = _batch_encoder(tokenizer)
+    for start in range(0, len(documents), _ENCODE_CHUNK):
+        texts = [document.read() for document in documents[start : start + _ENCODE_CHUNK]]
+        for ids in encode(texts):
+            yield [*ids, eos_id]
+
+
+def _save_atomically(payload: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, staging = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(handle)
+    try:
+        torch.save(payload, staging)
+        os.chmod(staging, 0o644)
+        os.replace(staging, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(staging)
+
+
+def worker_shard(tokens: torch.Tensor, worker: int, workers: int) -> torch.Tensor:
+    """Worker ``r``'s contiguous slice ``tokens[r * n : (r + 1) * n]``, ``n = len // workers``."""
+    if not 0 <= worker < workers:
+        raise ValueError(f"worker {worker} is out of range for {workers} workers")
+    size = tokens.numel() // workers
+    if size == 0:
+        raise ValueError(f"{tokens.numel()} tokens cannot be split among {workers} workers")
+    return tokens[worker * size : (worker + 1) * size]
+
+
+class BatchStream:
+    """Consecutive, non-overlapping ``[batch, seq_len]`` windows of a shard, from ``position``.
+
+    Inputs double as labels (the model shifts them). ``state_dict`` / ``load_state_dict``
+    resume the stream exactly.
+    """
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int, position: int = 0):
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.position = 0
+        self.load_state_dict({"position": position})
+
+    @property
+    def tokens_left(self) -> int:
+        return self.tokens.numel() - self.position
+
+    def next_batch(self, batch_size: int) -> torch.Tensor:
+        """The next ``batch_size * seq_len`` tokens as a LongTensor ``[batch_size, seq_len]``."""
+        needed = batch_size * self.seq_len
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if needed > self.tokens_left:
+            raise DataExhausted(
+                f"data shard of {self.tokens.numel():,} tokens is exhausted: at position "
+                f"{self.position:,} a batch of {batch_size} x {self.seq_len} needs {needed:,} "
+                f"tokens but {self.tokens_left:,} are left (use more data or fewer steps)"
+            )
+        window = self.tokens[self.position : self.position + needed]
+        self.position += needed
+        return window.reshape(batch_size, self.seq_len).to(torch.long, copy=True)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        position = int(state["position"])
+        if not 0 <= position <= self.tokens.numel():
+            raise ValueError(f"position {position} lies outside a shard of {self.tokens.numel()}")
+        self.position = position
+
+
+def validation_batches(
+    val: torch.Tensor, seq_len: int, batch_size: int, max_tokens: int | None = None
+) -> Iterator[torch.Tensor]:
+    """Consecutive ``[<= batch_size, seq_len]`` windows of ``val[:max_tokens]``.
+
+    A trailing remainder shorter than ``seq_len`` is dropped; the last batch may be smaller.
+    """
+    usable = val.numel() if max_tokens is None else min(max_tokens, val.numel())
+    windows = usable // seq_len
+    if windows == 0:
+        raise ValueError(f"validation needs >= seq_len={seq_len} tokens, has {usable}")
+    rows = val[: windows * seq_len].reshape(windows, seq_len)
+    for start in range(0, windows, batch_size):
+        yield rows[start : start + batch_size].long()
+
+
+def evaluate_loss(
+    model: torch.nn.Module,
+    val: torch.Tensor,
+    seq_len: int,
+    batch_size: int = 16,
+    max_tokens: int | None = None,
+    device: str | torch.device = "cpu",
+) -> float:
+    """Token-weighted mean NLL: sum over windows of -log p(x_t+1 | x_<=t) / predicted tokens.
+
+    Eval mode and no grad; bf16 autocast on CUDA only. The model's train/eval mode is restored.
+    """
+    if seq_len < 2:
+        raise ValueError(f"evaluating needs seq_len >= 2 (one predicted token), got {seq_len}")
+    device = torch.device(device)
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16)
+        if device.type == "cuda"
+        else contextlib.nullcontext()
+    )
+    was_training = model.training
+    model.eval()
+    total_nll, predicted = 0.0, 0
+    try:
+        with torch.no_grad():
+            for batch in validation_batches(val, seq_len, batch_size, max_tokens):
+                batch = batch.to(device)
+                with autocast:
+                    logits = model(input_ids=batch).logits
+                targets = batch[:, 1:]
+                nll = F.cross_entropy(
+                    logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+                    targets.reshape(-1),
+                    reduction="sum",
+                )
+                total_nll += nll.item()
+                predicted += targets.numel()
+    finally:
+        model.train(was_training)
+    return total_nll / predicted

@@ -1,0 +1,144 @@
+"""Llama model presets, seeded construction and a bit-exact parameter checksum.
+
+Every preset is a Hugging Face ``LlamaForCausalLM`` with untied embeddings, RMSNorm (eps 1e-5),
+RoPE, SwiGLU, no biases and full multi-head attention (``num_key_value_heads == heads``), as in
+the reference experiments. Parameters: ``2 * vocab * hidden`` (embeddings + lm_head)
+``+ layers * (4 * hidden^2 + 3 * hidden * ffn + 2 * hidden) + hidden``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+_COMMON = {
+    "tie_word_embeddings": False,
+    "rms_norm_eps": 1e-5,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+}
+
+MODEL_PRESETS: dict[str, dict] = {
+    "micro": {
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "intermediate_size": 64,
+        "max_position_embeddings": 256,
+        "vocab_size": 4096,
+        **_COMMON,
+    },
+    "nano": {
+        "hidden_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "intermediate_size": 352,
+        "max_position_embeddings": 1024,
+        "vocab_size": 4096,
+        **_COMMON,
+    },
+    "178m": {
+        "hidden_size": 1024,
+        "num_hidden_layers": 9,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "intermediate_size": 2688,
+        "max_position_embeddings": 2048,
+        "vocab_size": 32000,
+        **_COMMON,
+    },
+    "512m": {
+        "hidden_size": 1536,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 12,
+        "intermediate_size": 5440,
+        "max_position_embeddings": 2048,
+        "vocab_size": 32000,
+        **_COMMON,
+    },
+}
+
+ATTENTION_IMPLEMENTATION = "sdpa"  # deterministic on CPU and faster there than "eager"
+
+
+def model_config(
+    spec: str,
+    vocab_size: int,
+    bos_id: int | None = None,
+    eos_id: int | None = None,
+) -> LlamaConfig:
+    """The LlamaConfig of a preset name or of a JSON file (a config.json or plain kwargs).
+
+    A JSON file's keys override the house defaults (untied embeddings, eps 1e-5, no biases);
+    ``vocab_size``, ``bos_id`` and ``eos_id`` override both.
+    """
+    if spec in MODEL_PRESETS:
+        kwargs = dict(MODEL_PRESETS[spec])
+    else:
+        kwargs = {**_COMMON, **_read_config_file(spec)}
+    if vocab_size < 1:
+        raise ValueError(f"model {spec!r}: vocab_size must be >= 1, got {vocab_size}")
+    kwargs.update(vocab_size=vocab_size, bos_token_id=bos_id, eos_token_id=eos_id)
+    kwargs.setdefault("num_key_value_heads", kwargs.get("num_attention_heads"))
+    kwargs.pop("model_type", None)
+    kwargs.pop("architectures", None)
+    try:
+        return LlamaConfig(**kwargs, attn_implementation=ATTENTION_IMPLEMENTATION)
+    except Exception as error:  # transformers validates with its own exception types
+        raise ValueError(f"model {spec!r}: invalid Llama config: {error}") from error
+
+
+def _read_config_file(spec: str) -> dict:
+    presets = ", ".join(MODEL_PRESETS)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ValueError(f"unknown model {spec!r}: not a preset ({presets}) nor a JSON file")
+    try:
+        kwargs = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"model config {str(path)!r} is not valid JSON: {error}") from error
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"model config {str(path)!r} must hold a JSON object (presets: {presets})")
+    if kwargs.get("model_type", "llama") != "llama":
+        raise ValueError(
+            f"model config {str(path)!r} has model_type {kwargs['model_type']!r}; only 'llama'"
+        )
+    return kwargs
+
+
+def build_model(config: LlamaConfig, seed: int) -> LlamaForCausalLM:
+    """A float32 LlamaForCausalLM initialised from ``seed`` alone, leaving the global RNG untouched.
+
+    The same config and seed give bit-identical parameters on every process.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    return model.to(torch.float32)
+
+
+def parameter_checksum(params: Mapping[str, torch.Tensor]) -> str:
+    """sha256 over (name, dtype, shape, raw bytes) of every tensor, in sorted name order."""
+    digest = hashlib.sha256()
+    for name in sorted(params):
+        tensor = params[name].detach().to("cpu").contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Number of scalar parameters (embeddings and lm_head included)."""
+    return sum(parameter.numel() for parameter in model.parameters())

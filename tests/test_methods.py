@@ -1,0 +1,663 @@
+"""Merge methods against independent float64 reimplementations of the reference code.
+
+Each ``reference_*`` function below follows the literal steps of the authors' code (explicit
+loops, zero-filled d-column blocks for TSV-M and Iso-CTS) in numpy float64, so the library is
+checked against a second, independent computation rather than against itself.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from mergekit_loco import TaskVector, get_method, list_methods
+from mergekit_loco.methods.iso import split_subspaces
+from mergekit_loco.methods.tsv import tsv_rank
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "methods.md"
+MATRIX_SHAPES = [(11, 7), (6, 10), (8, 8)]
+TASK_COUNTS = [1, 2, 3, 5]
+SPECTRAL = ["tsv", "iso-c", "iso-cts"]
+
+
+def random_deltas(shape, tasks, seed=0, dtype=torch.float64) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(tuple(shape), generator=generator, dtype=dtype) for _ in range(tasks)]
+
+
+def as_numpy(deltas) -> list[np.ndarray]:
+    return [delta.double().numpy() for delta in deltas]
+
+
+def assert_matches(result: torch.Tensor, expected: np.ndarray, tolerance: float = 1e-10):
+    """Entrywise agreement within ``tolerance`` times the largest expected magnitude (>= 1)."""
+    scale = max(1.0, float(np.abs(expected).max(initial=0.0)))
+    np.testing.assert_allclose(result.double().numpy(), expected, rtol=0, atol=tolerance * scale)
+
+
+# -- independent float64 references ---------------------------------------------------------------
+def reference_mean(deltas):
+    return sum(deltas) / len(deltas)
+
+
+def reference_sum(deltas):
+    return sum(deltas)
+
+
+def reference_trim(values: np.ndarray, density: float) -> np.ndarray:
+    """ties-merging topk_values_mask: threshold = k-th smallest |x|, k = n - int(n * density)."""
+    n = values.size
+    k = n - int(n * density)
+    if k == 0:
+        return values.copy()
+    threshold = np.sort(np.abs(values))[k - 1]
+    return np.where(np.abs(values) >= threshold, values, 0.0)
+
+
+def reference_ties(deltas, density=0.2):
+    shape = deltas[0].shape
+    trimmed = [reference_trim(delta.ravel(), density) for delta in deltas]
+    elected = np.sign(sum(trimmed))
+    majority = np.sign(elected.sum())
+    elected[elected == 0] = majority
+    merged = np.zeros(elected.size)
+    for i in range(elected.size):
+        if elected[i] > 0:
+            kept = [t[i] for t in trimmed if t[i] > 0]
+        else:
+            kept = [t[i] for t in trimmed if t[i] < 0]
+        merged[i] = sum(kept) / max(sum(1 for v in kept if v != 0), 1)
+    return merged.reshape(shape)
+
+
+def reference_band(values: np.ndarray, density: float, gamma: float) -> np.ndarray:
+    """Breadcrumbs: sort by |x| (stable), drop n_bottom smallest and n_top largest."""
+    n = values.size
+    n_keep = int(density * n)
+    n_top = int(gamma * n)
+    n_bottom = n - n_keep - n_top
+    if n_bottom < 0:
+        n_bottom, n_top = 0, n - n_keep
+    order = sorted(range(n), key=lambda i: (abs(values[i]), i))
+    kept = np.zeros(n)
+    for i in order[n_bottom : n - n_top]:
+        kept[i] = values[i]
+    return kept
+
+
+def reference_breadcrumbs(deltas, density=0.9, gamma=0.01):
+    shape = deltas[0].shape
+    return reference_mean([reference_band(d.ravel(), density, gamma) for d in deltas]).reshape(
+        shape
+    )
+
+
+def reference_polar(matrix: np.ndarray) -> np.ndarray:
+    left, _, right_h = np.linalg.svd(matrix, full_matrices=False)
+    return left @ right_h
+
+
+def reference_tsv(deltas):
+    """TSVM_utils.compute_and_sum_svd_mem_reduction: zero-filled m x d / d / d x n blocks."""
+    if deltas[0].ndim != 2:
+        return reference_mean(deltas)
+    m, n = deltas[0].shape
+    d, tasks = min(m, n), len(deltas)
+    rank = int(d * (1 / tasks))
+    sum_u, sum_s, sum_v = np.zeros((m, d)), np.zeros(d), np.zeros((d, n))
+    for i, delta in enumerate(deltas):
+        u, s, v = np.linalg.svd(delta, full_matrices=False)
+        sum_u[:, i * rank : (i + 1) * rank] = u[:, :rank]
+        sum_s[i * rank : (i + 1) * rank] = s[:rank]
+        sum_v[i * rank : (i + 1) * rank, :] = v[:rank, :]
+    return reference_polar(sum_u) @ np.diag(sum_s) @ reference_polar(sum_v)
+
+
+def reference_iso_c(deltas):
+    if deltas[0].ndim != 2:
+        return reference_mean(deltas)
+    u, s, v = np.linalg.svd(sum(deltas), full_matrices=False)
+    return u @ np.diag(np.full_like(s, s.mean())) @ v
+
+
+def reference_newton_schulz(matrix: np.ndarray) -> np.ndarray:
+    """Quintic Newton-Schulz, 5 steps, acting on the singular values of M / ||M||_F."""
+    u, s, v = np.linalg.svd(matrix, full_matrices=False)
+    x = s / (np.linalg.norm(matrix) + 1e-7)
+    for _ in range(5):
+        x = 3.4445 * x - 4.7750 * x**3 + 2.0315 * x**5
+    return u @ np.diag(x) @ v
+
+
+def reference_iso_c_ns(deltas):
+    if deltas[0].ndim != 2:
+        return reference_mean(deltas)
+    summed = sum(deltas)
+    rms = np.linalg.norm(summed) / np.sqrt(min(summed.shape))
+    return rms * reference_newton_schulz(summed)
+
+
+def reference_split(d: int, tasks: int, common_fraction: float) -> tuple[int, int]:
+    common = int(d * common_fraction)
+    task_specific_total = round((d - common) / tasks) * tasks
+    common = d - task_specific_total
+    return common, int((d - common) / tasks)
+
+
+def reference_iso_cts(deltas, common_fraction=0.8):
+    """iso-merging iso_cts: task blocks first, common block after, polar, mean of all d s."""
+    if deltas[0].ndim != 2:
+        return reference_mean(deltas)
+    m, n = deltas[0].shape
+    d, tasks = min(m, n), len(deltas)
+    common, per_task = reference_split(d, tasks, common_fraction)
+    u, s, v = np.linalg.svd(sum(deltas), full_matrices=False)
+    common_u, common_s, common_v = u[:, :common], s[:common], v[:common, :]
+    combined_u, combined_s, combined_v = np.zeros((m, d)), np.zeros(d), np.zeros((d, n))
+    for i, delta in enumerate(deltas):
+        residual = delta - common_u @ common_u.T @ delta
+        u_ts, s_ts, v_ts = np.linalg.svd(residual, full_matrices=False)
+        combined_u[:, i * per_task : (i + 1) * per_task] = u_ts[:, :per_task]
+        combined_s[i * per_task : (i + 1) * per_task] = s_ts[:per_task]
+        combined_v[i * per_task : (i + 1) * per_task, :] = v_ts[:per_task, :]
+    start = tasks * per_task
+    combined_u[:, start : start + common] = common_u
+    combined_s[start : start + common] = common_s
+    combined_v[start : start + common, :] = common_v
+    isotropic_s = np.full(d, combined_s.mean())
+    return reference_polar(combined_u) @ np.diag(isotropic_s) @ reference_polar(combined_v)
+
+
+REFERENCES = {
+    ("mean", ()): reference_mean,
+    ("ta", ()): reference_sum,
+    ("ties", ()): reference_ties,
+    ("ties", (("density", 0.5),)): lambda ds: reference_ties(ds, 0.5),
+    ("breadcrumbs", ()): reference_breadcrumbs,
+    ("breadcrumbs", (("density", 0.5), ("gamma", 0.1))): lambda ds: reference_breadcrumbs(
+        ds, 0.5, 0.1
+    ),
+    ("tsv", ()): reference_tsv,
+    ("iso-c", ()): reference_iso_c,
+    ("iso-c", (("spectral", "ns"),)): reference_iso_c_ns,
+    ("iso-cts", ()): reference_iso_cts,
+    ("iso-cts", (("common_fraction", 0.5),)): lambda ds: reference_iso_cts(ds, 0.5),
+    ("iso-cts", (("common_fraction", 0.0),)): lambda ds: reference_iso_cts(ds, 0.0),
+}
+REFERENCE_IDS = [f"{name}{dict(params) or ''}" for name, params in REFERENCES]
+
+
+def is_degenerate(name: str, params: dict, shape, tasks: int) -> bool:
+    """The documented degenerate cases: TSV with no component per task, Iso-CTS with k < 0."""
+    if len(shape) != 2:
+        return False
+    d = min(shape)
+    if name == "tsv":
+        return int(d * (1 / tasks)) == 0
+    if name == "iso-cts":
+        return reference_split(d, tasks, params.get("common_fraction", 0.8))[0] < 0
+    return False
+
+
+# -- every method against its reference -----------------------------------------------------------
+@pytest.mark.parametrize("key", list(REFERENCES), ids=REFERENCE_IDS)
+@pytest.mark.parametrize("tasks", TASK_COUNTS)
+@pytest.mark.parametrize("shape", MATRIX_SHAPES, ids=["tall", "wide", "square"])
+def test_matrix_merge_matches_reference(key, tasks, shape):
+    name, params = key[0], dict(key[1])
+    deltas = random_deltas(shape, tasks, seed=tasks * 10 + shape[0])
+    if is_degenerate(name, params, shape, tasks):
+        pytest.skip("degenerate case, covered by the ValueError tests")
+    result = get_method(name, **params).merge_tensor("layer.weight", deltas)
+    assert result.shape == shape and result.dtype == torch.float64
+    tolerance = 1e-8 if params.get("spectral") == "ns" else 1e-10
+    assert_matches(result, REFERENCES[key](as_numpy(deltas)), tolerance)
+
+
+@pytest.mark.parametrize("key", list(REFERENCES), ids=REFERENCE_IDS)
+@pytest.mark.parametrize("shape", [(17,), (4, 3, 2), ()], ids=["vector", "3d", "scalar"])
+def test_non_matrix_merge_matches_reference(key, shape):
+    name, params = key[0], dict(key[1])
+    deltas = random_deltas(shape, 3, seed=len(shape))
+    result = get_method(name, **params).merge_tensor("norm.weight", deltas)
+    assert result.shape == shape
+    assert_matches(result, REFERENCES[key](as_numpy(deltas)))
+
+
+@pytest.mark.parametrize("key", list(REFERENCES), ids=REFERENCE_IDS)
+def test_float32_merge_matches_float64_reference(key):
+    name, params = key[0], dict(key[1])
+    deltas = random_deltas((12, 9), 3, seed=5, dtype=torch.float32)
+    result = get_method(name, **params).merge_tensor("layer.weight", deltas)
+    assert result.dtype == torch.float32
+    assert_matches(result, REFERENCES[key](as_numpy(deltas)), tolerance=2e-5)
+
+
+# -- hand-worked cases ---------------------------------------------------------------------------
+def merge_lists(name: str, rows: list[list[float]], **params) -> list[float]:
+    deltas = [torch.tensor(row, dtype=torch.float64) for row in rows]
+    return get_method(name, **params).merge_tensor("v", deltas).tolist()
+
+
+def test_ties_keeps_every_entry_tied_at_the_threshold():
+    # k = 4 - int(4 * 0.5) = 2: threshold = 2nd smallest |x| = 2, so 4, -3 and 2 survive
+    # (the reference keeps int(n * density) + 1 entries when magnitudes are distinct)
+    assert merge_lists("ties", [[4.0, -3.0, 2.0, 1.0]], density=0.5) == [4.0, -3.0, 2.0, 0.0]
+    # k = 4 - int(1.0) = 3: threshold = 1, and all three entries tied at 1 are kept
+    assert merge_lists("ties", [[1.0, -1.0, 1.0, 3.0]], density=0.25) == [1.0, -1.0, 1.0, 3.0]
+
+
+def test_ties_trim_elect_and_disjoint_mean_by_hand():
+    rows = [
+        [5.0, -1.0, 0.5, 3.0, -2.0],  # threshold 2 (3rd smallest): [5, 0, 0, 3, -2]
+        [-4.0, 2.0, 2.0, -1.0, 0.1],  # threshold 2, two ties kept: [-4, 2, 2, 0, 0]
+        [1.0, -3.0, 0.2, -0.3, -6.0],  # threshold 1: [1, -3, 0, 0, -6]
+    ]
+    # sums [2, -1, 2, 3, -8] elect [+, -, +, +, -]; disjoint means: (5+1)/2, -3, 2, 3, (-2-6)/2
+    assert merge_lists("ties", rows, density=0.4) == [3.0, -3.0, 2.0, 3.0, -4.0]
+
+
+def test_ties_zero_elected_sign_takes_the_majority_sign():
+    # sums [0, 2, 2]: the zero takes sign(0 + 1 + 1) = +, so entry 0 keeps the positive 2
+    assert merge_lists("ties", [[2.0, 1.0, -1.0], [-2.0, 1.0, 3.0]], density=1.0) == [2, 1, 3]
+    # sums [0, -2, 0]: majority sign(-1) = -
+    assert merge_lists("ties", [[2.0, 1.0, -1.0], [-2.0, -3.0, 1.0]], density=1.0) == [-2, -3, -1]
+
+
+def test_ties_zero_majority_leaves_sign_zero_and_keeps_negatives():
+    # sums [0, 2, -4]: elected [0, +, -], majority sign(0) = 0 stays; elected 0 selects x < 0
+    assert merge_lists("ties", [[2.0, 1.0, -1.0], [-2.0, 1.0, -3.0]], density=1.0) == [-2, 1, -2]
+
+
+def test_ties_all_zero_tensor_stays_zero():
+    assert merge_lists("ties", [[0.0, 0.0], [0.0, 0.0]]) == [0.0, 0.0]
+
+
+def test_breadcrumbs_band_by_hand():
+    # n = 10, keep int(0.5 * 10) = 5, drop int(0.1 * 10) = 1 largest and 4 smallest
+    row = [0.1, -0.2, 0.3, -0.4, 0.5, -0.6, 0.7, -0.8, 0.9, -10.0]
+    expected = [0.0, 0.0, 0.0, 0.0, 0.5, -0.6, 0.7, -0.8, 0.9, 0.0]
+    assert merge_lists("breadcrumbs", [row], density=0.5, gamma=0.1) == expected
+    # n_keep = 9, n_top = 1, n_bottom = 0: only the outlier goes
+    assert merge_lists("breadcrumbs", [row], density=0.95, gamma=0.1) == row[:-1] + [0.0]
+    # density + gamma > 1 (n_top = 2 would leave n_bottom = -1): the band is clipped to
+    # n_top = n - n_keep = 1, so the result is the same
+    assert merge_lists("breadcrumbs", [row], density=0.95, gamma=0.2) == row[:-1] + [0.0]
+
+
+def test_breadcrumbs_keeps_exactly_int_density_n_entries_even_with_ties():
+    row = [1.0] * 7 + [2.0] * 5
+    result = merge_lists("breadcrumbs", [row], density=0.5, gamma=0.25)
+    assert sum(1 for v in result if v != 0) == 6
+
+
+def test_iso_c_diagonal_two_by_two():
+    expected = [[2.0, 0.0], [0.0, 2.0]]
+    diag = torch.diag(torch.tensor([3.0, 1.0], dtype=torch.float64))
+    np.testing.assert_allclose(get_method("iso-c").merge_tensor("w", [diag]), expected)
+    split = [torch.diag(torch.tensor(v, dtype=torch.float64)) for v in ([2.0, 0.0], [1.0, 1.0])]
+    np.testing.assert_allclose(get_method("iso-c").merge_tensor("w", split), expected)
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (5, 3)])
+def test_tsv_of_orthogonal_rank_one_tasks_is_their_sum(shape):
+    # d = 3, T = 2: one component per task; orthogonal U and V blocks need no correction
+    first = torch.zeros(shape, dtype=torch.float64)
+    second = torch.zeros(shape, dtype=torch.float64)
+    first[0, 0] = 3.0
+    second[1, 2] = -2.0
+    result = get_method("tsv").merge_tensor("w", [first, second])
+    torch.testing.assert_close(result, first + second)
+
+
+def test_tsv_two_by_two_keeps_each_task_top_component():
+    first = torch.diag(torch.tensor([3.0, 1.0], dtype=torch.float64))
+    second = torch.diag(torch.tensor([0.5, 2.0], dtype=torch.float64))
+    result = get_method("tsv").merge_tensor("w", [first, second])
+    torch.testing.assert_close(result, torch.diag(torch.tensor([3.0, 2.0], dtype=torch.float64)))
+
+
+def test_iso_cts_by_hand():
+    # d = 2, T = 2, f = 0: k = 0, one direction per task: s = [3, 2] -> 2.5 * I
+    first = torch.diag(torch.tensor([3.0, 1.0], dtype=torch.float64))
+    second = torch.diag(torch.tensor([0.5, 2.0], dtype=torch.float64))
+    result = get_method("iso-cts", common_fraction=0.0).merge_tensor("w", [first, second])
+    torch.testing.assert_close(result, 2.5 * torch.eye(2, dtype=torch.float64))
+    # d = 3, T = 2, f = 0.5: k = 1 (e1, s = 6 from the sum diag(6, 1, 3)); residuals diag(0, 1, 0)
+    # and diag(0, 0, 3) give e2 (s = 1) and e3 (s = 3); mean of [1, 3, 6] = 10/3
+    first = torch.diag(torch.tensor([4.0, 1.0, 0.0], dtype=torch.float64))
+    second = torch.diag(torch.tensor([2.0, 0.0, 3.0], dtype=torch.float64))
+    result = get_method("iso-cts", common_fraction=0.5).merge_tensor("w", [first, second])
+    torch.testing.assert_close(result, 10 / 3 * torch.eye(3, dtype=torch.float64))
+
+
+@pytest.mark.parametrize(
+    "d, tasks, fraction, common, per_task",
+    [
+        (9, 2, 0.0, 1, 4),  # (9 - 0) / 2 = 4.5 rounds to even 4 (round-half-up would give k < 0)
+        (5, 2, 0.0, 1, 2),  # 2.5 -> 2
+        (13, 2, 0.2, 1, 6),  # k0 = int(2.6) = 2; 11 / 2 = 5.5 -> 6
+        (1, 2, 0.0, 1, 0),  # 0.5 -> 0: no task-specific space
+        (10, 4, 0.5, 6, 1),  # k0 = 5; 1.25 -> 1
+        (9, 4, 0.3, 1, 2),  # k0 = int(2.7) = 2; 1.75 -> 2
+        (100, 3, 0.29, 28, 24),  # 100 * 0.29 = 28.999999999999996 -> k0 = 28; 72 / 3 = 24
+        (16, 8, 0.8, 16, 0),  # k0 = 12; 0.5 -> 0: everything is common (= Iso-C)
+        (16, 3, 0.8, 13, 1),  # k0 = 12; 1.33 -> 1
+        (6, 3, 0.0, 0, 2),  # no common space at all
+        (768, 8, 0.8, 616, 19),  # k0 = 614; 154 / 8 = 19.25 -> 19
+    ],
+)
+def test_iso_cts_subspace_sizes(d, tasks, fraction, common, per_task):
+    assert split_subspaces("w", d, tasks, fraction) == (common, per_task)
+
+
+@pytest.mark.parametrize(
+    "d, tasks, fraction",
+    [
+        (3, 2, 0.0),  # 3 / 2 = 1.5 rounds to 2: two blocks of 2 > 3 dimensions, k = -1
+        (7, 4, 0.2),  # k0 = int(1.4) = 1; 6 / 4 = 1.5 rounds to 2: 8 > 7, k = -1
+        (11, 2, 0.0),  # 5.5 rounds to 6: 12 > 11
+    ],
+)
+def test_iso_cts_negative_common_size_raises(d, tasks, fraction):
+    deltas = random_deltas((d, d + 2), tasks)
+    method = get_method("iso-cts", common_fraction=fraction)
+    with pytest.raises(ValueError, match=r"iso-cts: tensor 'blocks\.0\.w'.*common_fraction"):
+        method.merge_tensor("blocks.0.w", deltas)
+
+
+def test_tsv_rank_uses_the_reference_float_rounding():
+    assert tsv_rank("w", torch.Size([8, 9]), 3) == 2
+    assert tsv_rank("w", torch.Size([98, 120]), 49) == 1  # int(98 * (1 / 49)) = int(1.99...)
+    assert tsv_rank("w", torch.Size([100, 120]), 49) == 2
+    with pytest.raises(ValueError, match="'w'"):
+        tsv_rank("w", torch.Size([49, 120]), 49)  # int(49 * (1 / 49)) = 0
+
+
+# -- invariants ----------------------------------------------------------------------------------
+PERMUTATION_INVARIANT = [
+    ("mean", {}),
+    ("ta", {}),
+    ("ties", {}),
+    ("breadcrumbs", {"density": 0.6, "gamma": 0.05}),
+    ("tsv", {}),
+    ("iso-c", {}),
+    ("iso-c", {"spectral": "ns"}),
+    ("iso-cts", {}),
+    ("iso-cts", {"common_fraction": 0.3}),
+    ("iso-cts", {"spectral": "ns"}),
+]
+
+
+@pytest.mark.parametrize("name, params", PERMUTATION_INVARIANT)
+@pytest.mark.parametrize("shape", [(10, 7), (7, 10)])
+def test_task_order_does_not_matter(name, params, shape):
+    deltas = random_deltas(shape, 3, seed=21)
+    method = get_method(name, **params)
+    reference = method.merge_tensor("w", deltas)
+    for order in ([2, 0, 1], [1, 2, 0], [2, 1, 0]):
+        torch.testing.assert_close(
+            method.merge_tensor("w", [deltas[i] for i in order]), reference, rtol=0, atol=1e-10
+        )
+
+
+HOMOGENEOUS = [*PERMUTATION_INVARIANT, ("dare", {"density": 0.7})]
+
+
+@pytest.mark.parametrize("name, params", HOMOGENEOUS)
+@pytest.mark.parametrize("scale", [0.01, 7.0])
+def test_positive_homogeneity(name, params, scale):
+    deltas = random_deltas((9, 6), 3, seed=22)
+    method = get_method(name, **params)
+    scaled = method.merge_tensor("w", [scale * delta for delta in deltas])
+    expected = scale * method.merge_tensor("w", deltas)
+    # Newton-Schulz normalises by ||M||_F + 1e-7, which breaks exactness by ~1e-7 / ||M||_F
+    tolerance = 1e-5 if params.get("spectral") == "ns" else 1e-12
+    atol = tolerance * float(expected.abs().max())
+    torch.testing.assert_close(scaled, expected, rtol=tolerance, atol=atol)
+
+
+@pytest.mark.parametrize("shape", [(9, 6), (6, 9)])
+def test_single_task(shape):
+    (delta,) = random_deltas(shape, 1, seed=23)
+    for name in ("mean", "ta", "tsv"):
+        torch.testing.assert_close(get_method(name).merge_tensor("w", [delta]), delta)
+    iso_c = get_method("iso-c").merge_tensor("w", [delta])
+    assert_matches(iso_c, reference_iso_c([delta.numpy()]))
+    # with one task the residual holds exactly the tail of the spectrum, so Iso-CTS = Iso-C
+    for fraction in (0.0, 0.5, 0.8):
+        iso_cts = get_method("iso-cts", common_fraction=fraction).merge_tensor("w", [delta])
+        torch.testing.assert_close(iso_cts, iso_c, rtol=0, atol=1e-10)
+    ties = get_method("ties", density=0.3).merge_tensor("w", [delta])
+    assert_matches(ties, reference_trim(delta.numpy().ravel(), 0.3).reshape(shape))
+
+
+@pytest.mark.parametrize("shape", MATRIX_SHAPES)
+def test_iso_c_singular_values_all_equal_the_mean_of_the_sum(shape):
+    deltas = random_deltas(shape, 4, seed=24)
+    singular = np.linalg.svd(sum(as_numpy(deltas)), compute_uv=False)
+    merged = get_method("iso-c").merge_tensor("w", deltas)
+    np.testing.assert_allclose(
+        np.linalg.svd(merged.numpy(), compute_uv=False), singular.mean(), rtol=1e-10
+    )
+
+
+@pytest.mark.parametrize("shape", MATRIX_SHAPES)
+def test_tsv_singular_values_are_the_kept_task_singular_values(shape):
+    deltas = random_deltas(shape, 3, seed=25)
+    rank = min(shape) // 3
+    kept = np.concatenate([np.linalg.svd(d, compute_uv=False)[:rank] for d in as_numpy(deltas)])
+    merged = get_method("tsv").merge_tensor("w", deltas)
+    spectrum = np.linalg.svd(merged.numpy(), compute_uv=False)
+    np.testing.assert_allclose(spectrum[: kept.size], np.sort(kept)[::-1], rtol=1e-10)
+    np.testing.assert_allclose(spectrum[kept.size :], 0.0, atol=1e-10)
+
+
+def test_ns_scale_is_at_least_the_exact_scale():
+    deltas = random_deltas((12, 8), 3, seed=26)
+    summed = sum(as_numpy(deltas))
+    singular = np.linalg.svd(summed, compute_uv=False)
+    rms = np.linalg.norm(summed) / np.sqrt(8)
+    assert rms > singular.mean()  # a random sum has a non-flat spectrum
+    exact = get_method("iso-c").merge_tensor("w", deltas).numpy()
+    fast = get_method("iso-c", spectral="ns").merge_tensor("w", deltas).numpy()
+    # same singular vectors: the NS result is U diag(rms * p(s)) V^T, so it aligns with U V^T
+    cosine = np.sum(exact * fast) / (np.linalg.norm(exact) * np.linalg.norm(fast))
+    assert cosine > 0.95
+
+
+def test_ns_on_a_flat_spectrum_is_isotropic_at_the_mean_scale():
+    orthonormal, _ = np.linalg.qr(np.random.default_rng(27).standard_normal((10, 6)))
+    flat = torch.from_numpy(1.5 * orthonormal)
+    fast = get_method("iso-c", spectral="ns").merge_tensor("w", [flat])
+    spectrum = np.linalg.svd(fast.numpy(), compute_uv=False)
+    np.testing.assert_allclose(spectrum, spectrum[0], rtol=1e-10)  # rms = mean = 1.5 ...
+    assert 0.6 * 1.5 < spectrum[0] < 1.3 * 1.5  # ... times NS's value for 1/sqrt(6)
+    torch.testing.assert_close(get_method("iso-c").merge_tensor("w", [flat]), flat)
+
+
+def test_rank_aware_iso_c_stays_in_the_column_space_of_the_sum():
+    rng = np.random.default_rng(28)
+    shared_columns = rng.standard_normal((7, 2))
+    deltas = [torch.from_numpy(shared_columns @ rng.standard_normal((2, 5))) for _ in range(3)]
+    summed = sum(as_numpy(deltas))
+    u, s, v = np.linalg.svd(summed, full_matrices=False)
+    outside = np.eye(7) - u[:, :2] @ u[:, :2].T
+    aware = get_method("iso-c", rank_aware=True).merge_tensor("w", deltas).numpy()
+    np.testing.assert_allclose(aware, s[:2].mean() * u[:, :2] @ v[:2], atol=1e-12)
+    np.testing.assert_allclose(outside @ aware, 0.0, atol=1e-12)
+    # exact Iso-C spreads mean(s) (over all 5 values, 3 of them ~0) onto 3 null-space directions
+    exact = get_method("iso-c").merge_tensor("w", deltas).numpy()
+    np.testing.assert_allclose(np.linalg.svd(exact, compute_uv=False), s.mean(), rtol=1e-10)
+    assert np.linalg.norm(outside @ exact) == pytest.approx(s.mean() * np.sqrt(3), rel=1e-8)
+
+
+def test_iso_c_aggregator_of_the_mean_equals_iso_c_of_the_sum_over_r():
+    workers = random_deltas((8, 6), 4, seed=29)
+    iso_c = get_method("iso-c")
+    assert iso_c.aggregates_mean and get_method("iso-cts").aggregates_mean
+    assert not any(get_method(n).aggregates_mean for n in ("mean", "ta", "ties", "dare", "tsv"))
+    of_mean = iso_c.merge_tensor("w", [delta / 4 for delta in workers])
+    assert_matches(of_mean, reference_iso_c([sum(as_numpy(workers)) / 4]))
+    torch.testing.assert_close(of_mean, iso_c.merge_tensor("w", workers) / 4)
+
+
+# -- DARE ----------------------------------------------------------------------------------------
+def test_dare_is_seeded_per_seed_and_tensor_name():
+    deltas = random_deltas((20, 10), 2, seed=30)
+    first = get_method("dare", seed=1).merge_tensor("w", deltas)
+    assert torch.equal(first, get_method("dare", seed=1).merge_tensor("w", deltas))
+    assert not torch.equal(first, get_method("dare", seed=2).merge_tensor("w", deltas))
+    assert not torch.equal(first, get_method("dare", seed=1).merge_tensor("v", deltas))
+
+
+def test_dare_whole_task_vectors_draw_the_same_masks_as_single_tensors():
+    generator = torch.Generator().manual_seed(31)
+    vectors = [
+        TaskVector(
+            {"a": torch.randn(5, 4, generator=generator), "b": torch.randn(6, generator=generator)}
+        )
+        for _ in range(3)
+    ]
+    method = get_method("dare", density=0.5, seed=3)
+    merged = method.merge(vectors)
+    for name in ("a", "b"):
+        assert torch.equal(merged[name], method.merge_tensor(name, [tv[name] for tv in vectors]))
+
+
+def test_dare_with_density_one_is_the_mean():
+    deltas = random_deltas((6, 5), 3, seed=32)
+    assert_matches(
+        get_method("dare", density=1.0).merge_tensor("w", deltas), reference_mean(as_numpy(deltas))
+    )
+
+
+def test_dare_masks_are_independent_bernoulli_across_tasks():
+    # two identical tasks of ones: each entry is (m1 + m2) / (2 p) with m ~ Bernoulli(p)
+    density, numel = 0.3, 40_000
+    ones = torch.ones(numel, dtype=torch.float64)
+    merged = get_method("dare", density=density).merge_tensor("w", [ones, ones])
+    counts = [
+        int(torch.isclose(merged, torch.tensor(value, dtype=torch.float64)).sum())
+        for value in (0.0, 0.5 / density, 1.0 / density)
+    ]
+    assert sum(counts) == numel
+    for count, p in zip(
+        counts, [(1 - density) ** 2, 2 * density * (1 - density), density**2], strict=True
+    ):
+        assert abs(count - p * numel) < 5 * np.sqrt(numel * p * (1 - p))
+
+
+def test_dare_is_unbiased_over_seeds():
+    density, seeds = 0.5, 200
+    (delta,) = random_deltas((500,), 1, seed=33)
+    average = (
+        sum(
+            get_method("dare", density=density, seed=s).merge_tensor("w", [delta])
+            for s in range(seeds)
+        )
+        / seeds
+    )
+    # E[m / p] = 1 and Var[m / p] = (1 - p) / p per draw: z-scores of the seed average
+    z = (average - delta) / (delta.abs() * np.sqrt((1 - density) / density / seeds))
+    assert z.abs().max() < 5.5
+    assert abs(z.mean()) < 5 / np.sqrt(delta.numel())
+
+
+# -- dtype, validation and the registry ------------------------------------------------------------
+@pytest.mark.parametrize("name", list_methods())
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_output_keeps_input_dtype(name, dtype):
+    for shape in ((6, 4), (5,)):
+        deltas = random_deltas(shape, 2, seed=34, dtype=torch.float32)
+        result = get_method(name).merge_tensor("w", [delta.to(dtype) for delta in deltas])
+        assert result.dtype == dtype and result.shape == shape
+
+
+def test_list_methods_names_all_eight():
+    assert sorted(list_methods()) == sorted(
+        ["mean", "ta", "ties", "dare", "breadcrumbs", "tsv", "iso-c", "iso-cts"]
+    )
+
+
+def test_tsv_with_fewer_dimensions_than_tasks_raises_naming_the_tensor():
+    deltas = random_deltas((3, 8), 4)
+    with pytest.raises(ValueError, match=r"tsv: tensor 'layers\.3\.mlp\.w'.*4 tasks"):
+        get_method("tsv").merge_tensor("layers.3.mlp.w", deltas)
+    # vectors are averaged, whatever T
+    vectors = random_deltas((3,), 4)
+    assert_matches(get_method("tsv").merge_tensor("b", vectors), reference_mean(as_numpy(vectors)))
+
+
+@pytest.mark.parametrize(
+    "name, params, option",
+    [
+        ("ties", {"density": 0.0}, "density"),
+        ("ties", {"density": 1.5}, "density"),
+        ("ties", {"density": -0.2}, "density"),
+        ("dare", {"density": 0.0}, "density"),
+        ("dare", {"density": 1.01}, "density"),
+        ("breadcrumbs", {"density": 0.0}, "density"),
+        ("breadcrumbs", {"gamma": 1.0}, "gamma"),
+        ("breadcrumbs", {"gamma": -0.1}, "gamma"),
+        ("iso-cts", {"common_fraction": 1.0}, "common_fraction"),
+        ("iso-cts", {"common_fraction": -0.1}, "common_fraction"),
+        ("iso-c", {"spectral": "svd"}, "spectral"),
+        ("iso-cts", {"spectral": "fast"}, "spectral"),
+    ],
+)
+def test_out_of_range_parameters_raise_naming_the_option(name, params, option):
+    with pytest.raises(ValueError, match=f"{name}: {option}"):
+        get_method(name, **params)
+
+
+@pytest.mark.parametrize(
+    "name, params",
+    [
+        ("ties", {"density": 1.0}),
+        ("dare", {"density": 1.0}),
+        ("breadcrumbs", {"density": 1.0, "gamma": 0.0}),
+        ("iso-cts", {"common_fraction": 0.0}),
+    ],
+)
+def test_interval_ends_that_are_allowed(name, params):
+    assert get_method(name, **params).merge_tensor("w", random_deltas((4, 4), 2)).shape == (4, 4)
+
+
+def test_get_method_rejects_unknown_names_and_parameters():
+    with pytest.raises(ValueError, match=r"unknown merge method 'slerp'.*iso-cts"):
+        get_method("slerp")
+    with pytest.raises(ValueError, match=r"'ties' does not take 'gamma'.*density"):
+        get_method("ties", gamma=0.1)
+    with pytest.raises(ValueError, match=r"'mean' does not take 'density'.*no parameters"):
+        get_method("mean", density=0.5)
+
+
+def test_merge_of_task_vectors_goes_name_by_name():
+    generator = torch.Generator().manual_seed(35)
+    vectors = [
+        TaskVector(
+            {"w": torch.randn(4, 3, generator=generator), "b": torch.randn(3, generator=generator)}
+        )
+        for _ in range(2)
+    ]
+    merged = get_method("iso-c").merge(vectors)
+    assert isinstance(merged, TaskVector) and list(merged) == ["w", "b"]
+    assert_matches(merged["w"], reference_iso_c([tv["w"].double().numpy() for tv in vectors]), 1e-6)
+    assert_matches(merged["b"], reference_mean([tv["b"].double().numpy() for tv in vectors]), 1e-6)
+    with pytest.raises(ValueError, match="no task vectors"):
+        get_method("mean").merge([])
+    with pytest.raises(KeyError, match="'b'"):
+        get_method("mean").merge([vectors[0], TaskVector({"w": vectors[1]["w"]})])
+
+
+# -- the docs ------------------------------------------------------------------------------------
+def test_every_python_example_in_the_methods_doc_runs():
+    blocks = re.findall(r"```python\n(.*?)```", DOCS.read_text(), flags=re.DOTALL)
+    assert blocks, "docs/methods.md has no python example"
+    for block in blocks:
+        exec(compile(block, str(DOCS), "exec"), {"__name__": "docs_example"})

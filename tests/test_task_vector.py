@@ -1,0 +1,122 @@
+"""TaskVector: arithmetic, construction from state dicts, application to a base."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mergekit_loco.task_vector import TaskVector, is_mergeable
+
+
+def vector(**deltas: list[float]) -> TaskVector:
+    return TaskVector(
+        {name: torch.tensor(values, dtype=torch.float64) for name, values in deltas.items()}
+    )
+
+
+def as_lists(task_vector: TaskVector) -> dict[str, list[float]]:
+    return {name: delta.tolist() for name, delta in task_vector.items()}
+
+
+def test_mapping_protocol_keeps_order():
+    tv = vector(b=[1.0], a=[2.0, 3.0])
+    assert list(tv) == ["b", "a"] and len(tv) == 2 and "a" in tv
+    assert tv["a"].tolist() == [2.0, 3.0]
+    assert repr(tv) == "TaskVector(2 tensors, 3 elements)"
+
+
+def test_arithmetic_is_elementwise():
+    a = vector(w=[1.0, -2.0], b=[0.5])
+    b = vector(w=[3.0, 4.0], b=[-1.5])
+    assert as_lists(a + b) == {"w": [4.0, 2.0], "b": [-1.0]}
+    assert as_lists(a - b) == {"w": [-2.0, -6.0], "b": [2.0]}
+    assert as_lists(2.0 * a) == as_lists(a * 2.0) == {"w": [2.0, -4.0], "b": [1.0]}
+    assert as_lists(-a) == {"w": [-1.0, 2.0], "b": [-0.5]}
+    assert as_lists((a + b) - b) == as_lists(a)
+
+
+def test_arithmetic_does_not_modify_operands():
+    a = vector(w=[1.0, 2.0])
+    _ = a + a
+    _ = 3 * a
+    assert a["w"].tolist() == [1.0, 2.0]
+
+
+def test_arithmetic_rejects_different_tensor_names():
+    with pytest.raises(KeyError, match="'v'"):
+        _ = vector(w=[1.0]) + vector(w=[1.0], v=[2.0])
+
+
+def test_to_casts_every_delta():
+    tv = vector(w=[1.0, 2.0], b=[3.0]).to(torch.float32)
+    assert {delta.dtype for delta in tv.values()} == {torch.float32}
+
+
+def test_is_mergeable_only_for_floating_tensors():
+    assert is_mergeable(torch.zeros(2, dtype=torch.bfloat16))
+    assert not is_mergeable(torch.zeros(2, dtype=torch.int64))
+    assert not is_mergeable(torch.zeros(2, dtype=torch.bool))
+
+
+def test_from_state_dicts_subtracts_floats_and_skips_integers():
+    base = {"w": torch.tensor([1.0, 2.0]), "ids": torch.tensor([0, 1]), "b": torch.tensor([0.5])}
+    tuned = {"w": torch.tensor([1.5, 1.0]), "ids": torch.tensor([5, 6]), "b": torch.tensor([2.0])}
+    tv = TaskVector.from_state_dicts(tuned, base, dtype=torch.float64)
+    assert list(tv) == ["w", "b"]
+    assert tv["w"].dtype == torch.float64
+    assert as_lists(tv) == {"w": [0.5, -1.0], "b": [1.5]}
+
+
+def test_from_state_dicts_computes_in_the_requested_dtype():
+    base = {"w": torch.tensor([1.0], dtype=torch.bfloat16)}
+    tuned = {"w": torch.tensor([1.0078125], dtype=torch.bfloat16)}  # 1 + 2^-7
+    tv = TaskVector.from_state_dicts(tuned, base)
+    assert tv["w"].dtype == torch.float32 and tv["w"].item() == 2.0**-7
+
+
+def test_from_state_dicts_names_shape_mismatch():
+    with pytest.raises(ValueError, match=r"'layer\.w'.*\(2, 3\).*\(3, 2\)"):
+        TaskVector.from_state_dicts({"layer.w": torch.zeros(2, 3)}, {"layer.w": torch.zeros(3, 2)})
+
+
+def test_from_state_dicts_names_missing_tensor():
+    with pytest.raises(KeyError, match="'b'"):
+        TaskVector.from_state_dicts(
+            {"w": torch.zeros(2)}, {"w": torch.zeros(2), "b": torch.zeros(1)}
+        )
+
+
+def test_apply_to_adds_scaled_delta_in_base_dtype():
+    base = {
+        "w": torch.tensor([1.0, -2.0, 0.25], dtype=torch.bfloat16),
+        "ids": torch.tensor([3, 4]),
+    }
+    delta = torch.tensor([0.5, 0.125, -1.0])
+    merged = TaskVector({"w": delta}).apply_to(base, scale=0.5)
+    assert merged["w"].dtype == torch.bfloat16
+    expected = (base["w"].double() + 0.5 * delta.double()).to(torch.bfloat16)
+    assert torch.equal(merged["w"], expected)
+    assert torch.equal(merged["ids"], base["ids"]) and merged["ids"].dtype == torch.int64
+    assert merged["ids"].data_ptr() != base["ids"].data_ptr()  # a copy, not an alias
+
+
+def test_apply_to_computes_in_float32_before_rounding():
+    # 1 + 2^-8 + 2^-16 rounds up to 1 + 2^-7 in bf16; rounding the delta to bf16 first
+    # (2^-8) would leave an exact tie that rounds to even, i.e. back to 1.
+    base = {"w": torch.tensor([1.0], dtype=torch.bfloat16)}
+    tv = TaskVector({"w": torch.tensor([2.0**-8 + 2.0**-16])})
+    assert tv.apply_to(base)["w"].item() == 1.0 + 2.0**-7
+    assert (base["w"] + tv["w"].to(torch.bfloat16)).item() == 1.0
+
+
+def test_apply_to_inverts_from_state_dicts():
+    generator = torch.Generator().manual_seed(0)
+    base = {"w": torch.randn(3, 4, generator=generator), "b": torch.randn(4, generator=generator)}
+    tuned = {
+        name: tensor + 0.1 * torch.randn(tensor.shape, generator=generator)
+        for name, tensor in base.items()
+    }
+    tv = TaskVector.from_state_dicts(tuned, base, dtype=torch.float64)
+    rebuilt = tv.apply_to(base)
+    for name in base:
+        torch.testing.assert_close(rebuilt[name], tuned[name])
