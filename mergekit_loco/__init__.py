@@ -1,8 +1,18 @@
 """mergekit_loco: model merging and DiLoCo aggregation on one task-vector abstraction."""
 
+from mergekit_loco.merge import MergeSummary, MissingBaseError, merge_checkpoints
 from mergekit_loco.methods import MergeMethod, get_method, list_methods
 from mergekit_loco.task_vector import TaskVector
 from mergekit_loco.train.outer import OuterOptimizer
 
-__all__ = ["MergeMethod", "OuterOptimizer", "TaskVector", "get_method", "list_methods"]
+__all__ = [
+    "MergeMethod",
+    "MergeSummary",
+    "MissingBaseError",
+    "OuterOptimizer",
+    "TaskVector",
+    "get_method",
+    "list_methods",
+    "merge_checkpoints",
+]
 __version__ = "0.1.0"

@@ -48,9 +48,17 @@ class MergeMethod:
         return [f.name for f in fields(cls)]
 
 
+def sum_of(deltas: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``sum_t tau_t``, accumulated in place (one extra tensor, not a T-fold stack)."""
+    total = deltas[0].clone()
+    for delta in deltas[1:]:
+        total += delta
+    return total
+
+
 def mean_of(deltas: Sequence[torch.Tensor]) -> torch.Tensor:
     """``(1/T) sum_t tau_t``."""
-    return torch.stack(list(deltas)).mean(dim=0)
+    return sum_of(deltas).div_(len(deltas))
 
 
 def is_matrix(delta: torch.Tensor) -> bool:

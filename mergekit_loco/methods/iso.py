@@ -14,6 +14,7 @@ from mergekit_loco.methods.base import (
     in_svd_precision,
     is_matrix,
     mean_of,
+    sum_of,
 )
 
 SPECTRAL_CHOICES = ("exact", "ns")
@@ -45,7 +46,7 @@ class IsoC(MergeMethod):
     def merge_tensor(self, name: str, deltas: Sequence[torch.Tensor]) -> torch.Tensor:
         if not is_matrix(deltas[0]):
             return mean_of(deltas)
-        summed = torch.stack(in_svd_precision(deltas)).sum(dim=0)
+        summed = sum_of(in_svd_precision(deltas))
         return isotropic(summed, self.spectral, self.rank_aware).to(deltas[0].dtype)
 
 
@@ -114,6 +115,6 @@ class IsoCts(MergeMethod):
             name, min(deltas[0].shape), len(deltas), self.common_fraction
         )
         precise = in_svd_precision(deltas)
-        shared = common_subspace(torch.stack(precise).sum(dim=0), common)
+        shared = common_subspace(sum_of(precise), common)
         specific = [task_specific_factors(d, shared[0], per_task) for d in precise]
         return isotropic_from_factors([*specific, shared], self.spectral).to(deltas[0].dtype)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mergekit_loco.methods.base import MergeMethod
+from mergekit_loco.methods.base import MergeMethod, sum_of
 
 
 @dataclass(frozen=True)
@@ -17,4 +17,4 @@ class TaskArithmetic(MergeMethod):
     name = "ta"
 
     def merge_tensor(self, name: str, deltas: Sequence[torch.Tensor]) -> torch.Tensor:
-        return torch.stack(list(deltas)).sum(dim=0)
+        return sum_of(deltas)

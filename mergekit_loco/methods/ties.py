@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mergekit_loco.methods.base import MergeMethod, check_fraction
+from mergekit_loco.methods.base import MergeMethod, check_fraction, sum_of
 
 
 def keep_top_magnitude(delta: torch.Tensor, density: float) -> torch.Tensor:
@@ -20,8 +20,9 @@ def keep_top_magnitude(delta: torch.Tensor, density: float) -> torch.Tensor:
     k = numel - int(numel * density)
     if k == 0:
         return delta.clone()
-    threshold = delta.abs().flatten().kthvalue(k).values
-    return delta * (delta.abs() >= threshold)
+    magnitude = delta.abs()
+    threshold = magnitude.flatten().kthvalue(k).values
+    return delta * (magnitude >= threshold)
 
 
 def elect_sign(trimmed: torch.Tensor) -> torch.Tensor:
@@ -44,14 +45,10 @@ def divide_by_count(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     return total / count.clamp(min=1)
 
 
-def disjoint_mean(trimmed: torch.Tensor, elected: torch.Tensor) -> torch.Tensor:
-    """Mean over t of the entries whose sign agrees with ``elected`` (count clamped to >= 1)."""
-    return divide_by_count(*agreeing_sum_and_count(trimmed, elected))
-
-
 @dataclass(frozen=True)
 class Ties(MergeMethod):
-    """``merged = disjoint_mean(trim(tau_t, density), elect_sign(...))`` per tensor.
+    """``merged = sum_t a_t / max(#{t: a_t != 0}, 1)`` per tensor, where ``a_t`` are the entries
+    of ``trim(tau_t, density)`` whose sign agrees with ``elect_sign``.
 
     density: fraction of each task vector's entries kept, in (0, 1]; default 0.2.
     """
@@ -63,5 +60,13 @@ class Ties(MergeMethod):
         check_fraction(self.name, "density", self.density, low_open=True, high_open=False)
 
     def merge_tensor(self, name: str, deltas: Sequence[torch.Tensor]) -> torch.Tensor:
-        trimmed = torch.stack([keep_top_magnitude(d, self.density) for d in deltas])
-        return disjoint_mean(trimmed, elect_sign(trimmed))
+        # Task by task rather than on a T-fold stack: peak memory ~ (2T + 3) tensors.
+        trimmed = [keep_top_magnitude(d, self.density) for d in deltas]
+        elected = elect_sign(sum_of(trimmed).unsqueeze(0))
+        agreeing_total = torch.zeros_like(trimmed[0])
+        agreeing_count = torch.zeros_like(trimmed[0], dtype=torch.long)
+        for task_trimmed in trimmed:
+            total, count = agreeing_sum_and_count(task_trimmed.unsqueeze(0), elected)
+            agreeing_total += total
+            agreeing_count += count
+        return divide_by_count(agreeing_total, agreeing_count)

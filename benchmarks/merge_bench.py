@@ -1,0 +1,262 @@
+"""Wall time and peak memory of `mloco merge`, side by side with mergekit.
+
+Builds a Llama-shaped checkpoint with random bfloat16 weights (~106M parameters; ~23M with
+--small) and 3 fine-tunes (base + noise) in a temporary folder, then merges them with ta, ties,
+iso-c (exact) and iso-c (ns), each in a fresh process so that the child's peak RSS (``ru_maxrss``
+from ``wait4``) belongs to that merge alone. With ``mergekit-yaml`` on PATH (or --mergekit-bin)
+the same ta and ties merges run through mergekit and a table of ratios is printed.
+
+    python benchmarks/merge_bench.py [--small] [--mergekit-bin PATH] [--workdir DIR]
+
+Deltas are computed in float32 by both tools (mergekit: ``dtype: float32``, ``out_dtype:
+bfloat16``); the output is bfloat16 like the inputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+SHAPES = {
+    "full": {"hidden": 768, "layers": 8, "intermediate": 2048, "vocab": 32000, "heads": 12},
+    "small": {"hidden": 512, "layers": 4, "intermediate": 1024, "vocab": 16000, "heads": 8},
+}
+FINETUNES = 3
+DELTA_STD = 0.002
+#: (label, mloco method, method parameters, mergekit method or None)
+RUNS = [
+    ("ta", "ta", {}, "task_arithmetic"),
+    ("ties", "ties", {"density": 0.2}, "ties"),
+    ("iso-c exact", "iso-c", {"spectral": "exact"}, None),
+    ("iso-c ns", "iso-c", {"spectral": "ns"}, None),
+]
+MLOCO_CHILD = """
+import json, sys
+from mergekit_loco.merge import merge_checkpoints, peak_rss_bytes
+spec = json.loads(sys.argv[1])
+floor = peak_rss_bytes()
+summary = merge_checkpoints(spec["models"], spec["base"], spec["method"], spec["out"],
+                            progress=False, force=True, **spec["params"])
+print(json.dumps({"merge_seconds": summary.seconds, "floor_bytes": floor}))
+"""
+
+
+def llama_tensors(shape: dict) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of a LlamaForCausalLM with multi-head attention."""
+    hidden, inter = shape["hidden"], shape["intermediate"]
+    tensors = {"model.embed_tokens.weight": (shape["vocab"], hidden)}
+    for layer in range(shape["layers"]):
+        prefix = f"model.layers.{layer}"
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            tensors[f"{prefix}.self_attn.{proj}.weight"] = (hidden, hidden)
+        tensors[f"{prefix}.mlp.gate_proj.weight"] = (inter, hidden)
+        tensors[f"{prefix}.mlp.up_proj.weight"] = (inter, hidden)
+        tensors[f"{prefix}.mlp.down_proj.weight"] = (hidden, inter)
+        tensors[f"{prefix}.input_layernorm.weight"] = (hidden,)
+        tensors[f"{prefix}.post_attention_layernorm.weight"] = (hidden,)
+    tensors["model.norm.weight"] = (hidden,)
+    tensors["lm_head.weight"] = (shape["vocab"], hidden)
+    return tensors
+
+
+def llama_config(shape: dict) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": shape["hidden"],
+        "intermediate_size": shape["intermediate"],
+        "num_hidden_layers": shape["layers"],
+        "num_attention_heads": shape["heads"],
+        "num_key_value_heads": shape["heads"],
+        "vocab_size": shape["vocab"],
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def write_checkpoints(root: Path, shape: dict) -> tuple[Path, list[Path]]:
+    """A random bf16 base and FINETUNES fine-tunes (base + N(0, DELTA_STD^2)), as HF folders."""
+    generator = torch.Generator().manual_seed(0)
+    tensors = llama_tensors(shape)
+    base = {n: (torch.randn(s, generator=generator) * 0.02).bfloat16() for n, s in tensors.items()}
+    folders = [root / "base"] + [root / f"ft{i}" for i in range(1, FINETUNES + 1)]
+    for index, folder in enumerate(folders):
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text(json.dumps(llama_config(shape), indent=2))
+        state = base
+        if index:
+            state = {
+                n: (t.float() + torch.randn(t.shape, generator=generator) * DELTA_STD).bfloat16()
+                for n, t in base.items()
+            }
+        save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    return folders[0], folders[1:]
+
+
+def run_measured(command: list[str]) -> tuple[float, int, str]:
+    """Run ``command``: (wall seconds, peak RSS of that child in bytes, its stdout).
+
+    The child is reaped with ``wait4``, whose rusage is the child's own (RUSAGE_CHILDREN would
+    be the maximum over every child so far).
+    """
+    with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
+        started = time.perf_counter()
+        process = subprocess.Popen(command, stdout=stdout, stderr=stderr, text=True)
+        _, status, usage = os.wait4(process.pid, 0)
+        seconds = time.perf_counter() - started
+        process.returncode = os.waitstatus_to_exitcode(status)
+        stdout.seek(0)
+        stderr.seek(0)
+        if process.returncode != 0:
+            raise RuntimeError(
+                f"{command[0]} failed ({process.returncode}):\n{stderr.read()[-3000:]}"
+            )
+        return seconds, usage.ru_maxrss * 1024, stdout.read()
+
+
+@dataclass
+class Result:
+    label: str
+    tool: str
+    seconds: float
+    peak_rss_bytes: int
+    merge_seconds: float | None = None
+    floor_bytes: int | None = None
+
+
+def run_mloco(label, method, params, base, models, out) -> Result:
+    spec = {
+        "models": [str(m) for m in models],
+        "base": str(base),
+        "method": method,
+        "out": str(out),
+        "params": params,
+    }
+    seconds, peak, stdout = run_measured([sys.executable, "-c", MLOCO_CHILD, json.dumps(spec)])
+    child = json.loads(stdout.strip().splitlines()[-1])
+    return Result(label, "mloco", seconds, peak, child["merge_seconds"], child["floor_bytes"])
+
+
+def run_mergekit(binary, label, method, params, base, models, out, workdir) -> Result:
+    lines = [f"merge_method: {method}", f"base_model: {base}", "models:"]
+    for model in models:
+        weight = {"weight": 1.0} | ({"density": params["density"]} if "density" in params else {})
+        lines += [f"  - model: {model}", f"    parameters: {json.dumps(weight)}"]
+    lines += ["dtype: float32", "out_dtype: bfloat16"]
+    config = workdir / f"mergekit-{method}.yml"
+    config.write_text("\n".join(lines) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    seconds, peak, _ = run_measured([binary, str(config), str(out), "--no-copy-tokenizer"])
+    return Result(label, "mergekit", seconds, peak)
+
+
+def machine() -> str:
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return (
+        f"{platform.platform()}, {platform.machine()}, {os.cpu_count()} CPUs, {memory:.0f} GiB RAM,"
+        f" Python {platform.python_version()}, torch {torch.__version__}"
+    )
+
+
+def print_tables(results, parameters, model_bytes, largest_bytes) -> None:
+    megabyte = 2**20
+    print(
+        f"\nmodel: {parameters / 1e6:.0f}M parameters, {model_bytes / megabyte:.0f} MB per"
+        f" checkpoint (bf16), largest tensor {largest_bytes / megabyte:.0f} MB in float32;"
+        f" {FINETUNES} fine-tunes"
+    )
+    print(f"machine: {machine()}\n")
+    header = (
+        f"{'method':<12} {'tool':<9} {'wall s':>7} {'merge s':>8} {'peak RSS MB':>12}"
+        f" {'(peak-floor)/largest':>21} {'peak/model':>11}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        merge_s = f"{r.merge_seconds:.2f}" if r.merge_seconds is not None else "-"
+        above = (
+            f"{(r.peak_rss_bytes - r.floor_bytes) / largest_bytes:.1f}" if r.floor_bytes else "-"
+        )
+        print(
+            f"{r.label:<12} {r.tool:<9} {r.seconds:>7.2f} {merge_s:>8}"
+            f" {r.peak_rss_bytes / megabyte:>12.0f} {above:>21}"
+            f" {r.peak_rss_bytes / model_bytes:>11.2f}"
+        )
+    floors = [r.floor_bytes for r in results if r.floor_bytes]
+    print(
+        f"\nfloor = RSS of the mloco child after imports, before merging: "
+        f"{max(floors) / megabyte:.0f} MB. wall s = whole process incl. imports."
+    )
+    pairs = [
+        (r, m)
+        for r in results
+        for m in results
+        if r.tool == "mloco" and m.tool == "mergekit" and r.label == m.label
+    ]
+    if pairs:
+        print(f"\n{'method':<8} {'wall mloco/mergekit':>20} {'peak RSS mloco/mergekit':>24}")
+        for ours, theirs in pairs:
+            print(
+                f"{ours.label:<8} {ours.seconds / theirs.seconds:>20.2f}"
+                f" {ours.peak_rss_bytes / theirs.peak_rss_bytes:>24.2f}"
+            )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--small", action="store_true", help="~23M parameters instead of ~106M")
+    parser.add_argument("--mergekit-bin", help="path of mergekit-yaml (default: look on PATH)")
+    parser.add_argument("--workdir", type=Path, help="where to build checkpoints (kept)")
+    args = parser.parse_args()
+    shape = SHAPES["small" if args.small else "full"]
+    mergekit = args.mergekit_bin or shutil.which("mergekit-yaml")
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="merge-bench-"))
+    try:
+        print(f"writing checkpoints to {workdir} ...", flush=True)
+        base, models = write_checkpoints(workdir / "models", shape)
+        tensors = llama_tensors(shape)
+        parameters = sum(torch.Size(s).numel() for s in tensors.values())
+        largest_bytes = max(torch.Size(s).numel() for s in tensors.values()) * 4
+        model_bytes = (base / "model.safetensors").stat().st_size
+        results = []
+        for label, method, params, mergekit_method in RUNS:
+            print(f"merging with {label} ...", flush=True)
+            out = workdir / f"out-{method}"
+            results.append(run_mloco(label, method, params, base, models, out))
+            if mergekit and mergekit_method:
+                out = workdir / f"out-mergekit-{mergekit_method}"
+                results.append(
+                    run_mergekit(
+                        mergekit, label, mergekit_method, params, base, models, out, workdir
+                    )
+                )
+        print_tables(results, parameters, model_bytes, largest_bytes)
+        if not mergekit:
+            print(
+                "\nmergekit-yaml not found; to compare, install it in its own venv:\n"
+                "  python -m venv /tmp/mk && /tmp/mk/bin/pip install mergekit\n"
+                "  python benchmarks/merge_bench.py --mergekit-bin /tmp/mk/bin/mergekit-yaml"
+            )
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

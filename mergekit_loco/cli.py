@@ -1,0 +1,227 @@
+"""The ``mloco`` command line: thin wrappers that parse options and call the Python API.
+
+Every command is wrapped by :func:`user_errors`: a bad input becomes one ``error: ...`` line on
+stderr and exit code 2 (``--debug`` shows the traceback instead); Ctrl-C exits 130.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import fields
+from pathlib import Path
+from typing import Annotated, TypeVar
+
+import torch
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from mergekit_loco.io import DEFAULT_MAX_SHARD_BYTES
+from mergekit_loco.merge import MergeSummary, merge_checkpoints
+from mergekit_loco.methods import METHODS, list_methods
+
+USER_ERRORS = (ValueError, KeyError, OSError)
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
+OUTPUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+COMPUTE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+SIZE_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+app = typer.Typer(
+    name="mloco",
+    help="Model merging and DiLoCo training on one task-vector abstraction.",
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+Debug = Annotated[bool, typer.Option("--debug", help="Show the traceback of an error.")]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar, no summary.")]
+Command = TypeVar("Command", bound=Callable)
+
+
+def one_line(error: BaseException | str) -> str:
+    """The error as one line: KeyError without quotes, OSError as ``file: reason``."""
+    if isinstance(error, KeyError) and error.args:
+        message = str(error.args[0])
+    elif isinstance(error, OSError) and error.filename and error.strerror:
+        message = f"{error.filename}: {error.strerror}"
+    else:
+        message = str(error)
+    return " ".join(message.split()) or type(error).__name__
+
+
+def print_error(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+
+
+def user_errors(command: Command) -> Command:
+    """Turn bad-input exceptions into ``error: <one line>`` and exit 2 (re-raise if ``debug``)."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except KeyboardInterrupt:
+            print_error("interrupted; nothing was written")
+            raise typer.Exit(EXIT_INTERRUPTED) from None
+        except USER_ERRORS as error:
+            if kwargs.get("debug"):
+                raise
+            print_error(one_line(error))
+            raise typer.Exit(EXIT_BAD_INPUT) from None
+
+    return wrapper
+
+
+def parse_choice(option: str, value: str, choices: dict[str, torch.dtype]) -> torch.dtype:
+    if value not in choices:
+        raise ValueError(f"{option} must be one of {', '.join(choices)}, not {value!r}")
+    return choices[value]
+
+
+def parse_size(value: str) -> int:
+    """``"5GB"`` -> 5e9 bytes; units B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
+    if not match or match.group(2).lower() not in SIZE_UNITS or float(match.group(1)) <= 0:
+        raise ValueError(f"--shard-size: {value!r} is not a size like 5GB, 500MB or 2GiB")
+    return int(float(match.group(1)) * SIZE_UNITS[match.group(2).lower()])
+
+
+def format_bytes(count: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if count < 1000:
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1000
+    return f"{count:.1f} TB"
+
+
+def print_summary(summary: MergeSummary) -> None:
+    table = Table(title=f"merged {summary.models} models with {summary.method}", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("tensors merged", str(summary.tensors_merged))
+    table.add_row("tensors copied", str(summary.tensors_copied))
+    table.add_row("time", f"{summary.seconds:.2f} s")
+    table.add_row("peak memory (RSS)", format_bytes(summary.peak_rss_bytes))
+    table.add_row("output", str(summary.out))
+    Console().print(table)
+
+
+@app.command()
+@user_errors
+def merge(
+    models: Annotated[
+        list[Path], typer.Argument(help="Fine-tuned checkpoints: .safetensors files or HF folders.")
+    ],
+    output: Annotated[
+        Path,
+        typer.Option(
+            "--output", "-o", help="Output: a .safetensors file, or a folder (sharded, with index)."
+        ),
+    ],
+    method: Annotated[
+        str, typer.Option("--method", "-m", help=f"One of: {', '.join(list_methods())}.")
+    ],
+    base: Annotated[
+        Path | None,
+        typer.Option(help="The pre-trained checkpoint the models were fine-tuned from."),
+    ] = None,
+    scale: Annotated[float, typer.Option(help="theta = base + scale * merged delta.")] = 1.0,
+    density: Annotated[
+        float | None, typer.Option(help="ties/dare/breadcrumbs: fraction kept, in (0, 1].")
+    ] = None,
+    gamma: Annotated[
+        float | None, typer.Option(help="breadcrumbs: top-magnitude fraction dropped, in [0, 1).")
+    ] = None,
+    common_fraction: Annotated[
+        float | None, typer.Option(help="iso-cts: common subspace fraction, in [0, 1).")
+    ] = None,
+    spectral: Annotated[
+        str | None, typer.Option(help="iso-c/iso-cts: exact (SVD) or ns (Newton-Schulz).")
+    ] = None,
+    rank_aware: Annotated[
+        bool, typer.Option("--rank-aware", help="iso-c: keep only non-zero singular directions.")
+    ] = False,
+    seed: Annotated[int | None, typer.Option(help="dare: seed of the drop masks.")] = None,
+    dtype: Annotated[
+        str | None,
+        typer.Option(help="Output dtype: float32, bfloat16 or float16 (default: the base's)."),
+    ] = None,
+    compute_dtype: Annotated[
+        str, typer.Option(help="Dtype of deltas and merge math: float32 or float64.")
+    ] = "float32",
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    shard_size: Annotated[
+        str, typer.Option(help="Largest shard of a folder output, e.g. 5GB, 500MB.")
+    ] = f"{DEFAULT_MAX_SHARD_BYTES // 10**9}GB",
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
+    quiet: Quiet = False,
+    debug: Debug = False,
+) -> None:
+    """Merge fine-tunes of one base: theta = base + scale * method(model_t - base)."""
+    given = {
+        "density": density,
+        "gamma": gamma,
+        "common_fraction": common_fraction,
+        "spectral": spectral,
+        "seed": seed,
+        "rank_aware": rank_aware or None,
+    }
+    summary = merge_checkpoints(
+        models,
+        base,
+        method,
+        output,
+        scale=scale,
+        dtype=parse_choice("--dtype", dtype, OUTPUT_DTYPES) if dtype is not None else None,
+        compute_dtype=parse_choice("--compute-dtype", compute_dtype, COMPUTE_DTYPES),
+        device=device,
+        force=force,
+        progress=not quiet,
+        max_shard_bytes=parse_size(shard_size),
+        **{name: value for name, value in given.items() if value is not None},
+    )
+    if not quiet:
+        print_summary(summary)
+
+
+def method_parameters(method_class: type) -> str:
+    defaults = [f"{field.name}={field.default}" for field in fields(method_class)]
+    return ", ".join(defaults) or "none"
+
+
+def method_math(method_class: type) -> str:
+    """The first paragraph of the method's docstring, on one line, without RST quotes."""
+    paragraph = (method_class.__doc__ or "").strip().split("\n\n")[0]
+    return " ".join(paragraph.replace("``", "").split())
+
+
+@app.command()
+@user_errors
+def methods(debug: Debug = False) -> None:
+    """List the merge methods with their parameters (defaults) and math."""
+    console = Console(highlight=False)
+    for name, method_class in METHODS.items():
+        base_note = "" if method_class.needs_base else "  (no --base needed)"
+        console.print(f"[bold]{name}[/bold]{base_note}")
+        console.print(escape(f"  parameters: {method_parameters(method_class)}"))
+        console.print(escape(f"  {method_math(method_class)}"))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of ``mloco``: usage errors become one ``error:`` line too (exit 2)."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    try:
+        exit_code = app(args=args or ["--help"], prog_name="mloco", standalone_mode=False)
+    except typer.TyperException as error:  # click usage errors: missing option, bad value...
+        print_error(one_line(error.format_message()))
+        exit_code = getattr(error, "exit_code", EXIT_BAD_INPUT)
+    except typer.Abort:
+        print_error("interrupted; nothing was written")
+        exit_code = EXIT_INTERRUPTED
+    sys.exit(exit_code if isinstance(exit_code, int) else 0)

@@ -1,0 +1,317 @@
+"""Sharded, atomic safetensors writer.
+
+Tensors are written as they come, so memory holds one tensor at a time. Everything goes into a
+hidden temp sibling of the output (``.NAME.tmp-XXXX``) and is renamed into place only when the
+``with`` block ends without error; on any exception, Ctrl-C or SIGTERM the temp is removed and
+nothing is left at the output path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+
+from mergekit_loco.io.reader import INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE, CheckpointError
+
+#: Hugging Face's default shard size.
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+#: Files copied from the base's folder into a folder output.
+CONFIG_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "spiece.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+COPY_CHUNK_BYTES = 2**20
+
+
+class OutputExistsError(CheckpointError):
+    """The output path exists and ``force`` was not given."""
+
+
+def check_output_free(out_path: Path, force: bool) -> None:
+    if not force and (out_path.exists() or out_path.is_symlink()):
+        kind = "folder" if out_path.is_dir() else "file"
+        raise OutputExistsError(
+            f"{out_path}: output {kind} exists; pass --force (force=True) to replace it"
+        )
+
+
+class ShardBuilder:
+    """One shard under construction.
+
+    Tensor bytes go to one body file per element size; :meth:`finish` writes the header and then
+    the 8-, 4-, 2- and 1-byte bodies, so every tensor starts at a multiple of its element size
+    (the header is padded to 8 bytes), as safetensors itself lays files out.
+    """
+
+    def __init__(self, staging: Path, number: int):
+        self._body_stem = staging / f"shard-{number:05d}.body"
+        self._bodies: dict[int, BinaryIO] = {}
+        self._tensors: list[tuple[str, torch.dtype, tuple[int, ...], int]] = []
+        self.nbytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        itemsize = tensor.dtype.itemsize
+        if itemsize not in self._bodies:
+            self._bodies[itemsize] = open(f"{self._body_stem}{itemsize}", "wb")
+        nbytes = tensor.numel() * itemsize
+        if nbytes:
+            self._bodies[itemsize].write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+        self._tensors.append((name, tensor.dtype, tuple(tensor.shape), nbytes))
+        self.nbytes += nbytes
+
+    def names(self) -> list[str]:
+        return [name for name, *_ in self._tensors]
+
+    def finish(self, file: Path) -> None:
+        """Write the shard to ``file`` and delete the bodies."""
+        sizes = sorted(self._bodies, reverse=True)
+        header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for size in sizes:
+            for name, dtype, shape, nbytes in self._tensors:
+                if dtype.itemsize == size:
+                    header[name] = {
+                        "dtype": DTYPE_NAMES[dtype],
+                        "shape": list(shape),
+                        "data_offsets": [offset, offset + nbytes],
+                    }
+                    offset += nbytes
+        raw_header = json.dumps(header, separators=(",", ":")).encode()
+        raw_header += b" " * (-len(raw_header) % 8)
+        with open(file, "wb") as shard:
+            shard.write(len(raw_header).to_bytes(8, "little"))
+            shard.write(raw_header)
+            for size in sizes:
+                self._bodies[size].close()
+                body = Path(f"{self._body_stem}{size}")
+                with open(body, "rb") as source:
+                    shutil.copyfileobj(source, shard, COPY_CHUNK_BYTES)
+                body.unlink()
+
+    def discard(self) -> None:
+        for body in self._bodies.values():
+            body.close()
+
+
+def raise_on_signal(signum: int, frame: object) -> None:
+    """SIGINT -> KeyboardInterrupt, SIGTERM -> SystemExit(128 + signum), so cleanup runs."""
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise SystemExit(128 + signum)
+
+
+class CheckpointWriter:
+    """Write a checkpoint tensor by tensor, atomically.
+
+    ``out_path`` ending in ``.safetensors`` gives one file; anything else a Hugging Face folder:
+    ``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` shards of at most
+    ``max_shard_bytes`` (a bigger tensor gets a shard of its own) plus
+    ``model.safetensors.index.json``, and the config/tokenizer files found in ``config_dir``.
+    An existing output raises :class:`OutputExistsError` at construction unless ``force``; with
+    ``force`` the old output is swapped out only once the new one is complete.
+
+    >>> with CheckpointWriter("merged/") as writer:  # doctest: +SKIP
+    ...     writer.write("lm_head.weight", tensor)
+    """
+
+    def __init__(
+        self,
+        out_path: str | Path,
+        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+        force: bool = False,
+        config_dir: str | Path | None = None,
+    ):
+        if max_shard_bytes <= 0:
+            raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+        self.out_path = Path(out_path)
+        self.single_file = self.out_path.suffix == ".safetensors"
+        self.max_shard_bytes = max_shard_bytes
+        self.force = force
+        self.config_dir = Path(config_dir) if config_dir is not None else None
+        check_output_free(self.out_path, force)
+        self._staging: Path | None = None
+        self._created_dirs: list[Path] = []
+        self._finished_shards: list[list[str]] = []
+        self._tensor_bytes = 0
+        self._current: ShardBuilder | None = None
+        self._written: set[str] = set()
+        self._previous_handlers: dict[int, object] = {}
+
+    # -- writing --------------------------------------------------------------------------------
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Append tensor ``name`` (moved to CPU); it is on disk when this returns."""
+        if self._staging is None:
+            raise RuntimeError("CheckpointWriter.write outside its `with` block")
+        if name in self._written:
+            raise CheckpointError(f"{self.out_path}: tensor {name!r} written twice")
+        if tensor.dtype not in DTYPE_NAMES:
+            raise CheckpointError(
+                f"{self.out_path}: tensor {name!r} has dtype {tensor.dtype}, which safetensors "
+                "cannot store"
+            )
+        tensor = tensor.detach().to("cpu").contiguous()
+        nbytes = tensor.numel() * tensor.dtype.itemsize
+        with self._output_errors(f"tensor {name!r} to "):
+            current = self._current
+            if (
+                current is not None
+                and not self.single_file
+                and current.nbytes
+                and current.nbytes + nbytes > self.max_shard_bytes
+            ):
+                self._finish_shard()
+            if self._current is None:
+                self._current = ShardBuilder(self._staging, len(self._finished_shards) + 1)
+            self._current.add(name, tensor)
+        self._written.add(name)
+
+    def _shard_file(self, number: int) -> Path:
+        return self._staging / f"shard-{number:05d}.safetensors"
+
+    def _finish_shard(self) -> None:
+        self._current.finish(self._shard_file(len(self._finished_shards) + 1))
+        self._finished_shards.append(self._current.names())
+        self._tensor_bytes += self._current.nbytes
+        self._current = None
+
+    def _assemble(self) -> Path:
+        """Finish the last shard, name the shards, write the index, copy configs: the built
+        output (a file or the staging folder itself)."""
+        if self._current is None and not self._finished_shards:
+            self._current = ShardBuilder(self._staging, 1)
+        if self._current is not None:
+            self._finish_shard()
+        if self.single_file:
+            built = self._staging / self.out_path.name
+            self._shard_file(1).rename(built)
+            return built
+        umask = os.umask(0)
+        os.umask(umask)
+        self._staging.chmod(0o777 & ~umask)
+        count = len(self._finished_shards)
+        if count == 1:
+            self._shard_file(1).rename(self._staging / SINGLE_FILE)
+        else:
+            self._write_index(count)
+        if self.config_dir is not None:
+            for file_name in CONFIG_FILES:
+                if (self.config_dir / file_name).is_file():
+                    shutil.copyfile(self.config_dir / file_name, self._staging / file_name)
+        return self._staging
+
+    def _write_index(self, count: int) -> None:
+        weight_map = {}
+        for number, names in enumerate(self._finished_shards, start=1):
+            shard_name = f"model-{number:05d}-of-{count:05d}.safetensors"
+            self._shard_file(number).rename(self._staging / shard_name)
+            weight_map.update(dict.fromkeys(names, shard_name))
+        index = {
+            "metadata": {"total_size": self._tensor_bytes},
+            "weight_map": dict(sorted(weight_map.items())),
+        }
+        (self._staging / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+    def _commit(self, built: Path) -> None:
+        """Rename ``built`` to the output; an old output is moved aside first and deleted only
+        after the new one is in place (restored if that rename fails)."""
+        out = self.out_path
+        if not (out.exists() or out.is_symlink()):
+            os.replace(built, out)
+            return
+        check_output_free(out, self.force)
+        aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        old = aside / out.name
+        os.replace(out, old)
+        try:
+            os.replace(built, out)
+        except BaseException:
+            os.replace(old, out)
+            raise
+        finally:
+            shutil.rmtree(aside, ignore_errors=True)
+
+    @contextmanager
+    def _output_errors(self, what: str = "") -> Iterator[None]:
+        """OSError (full disk, read-only folder, ...) -> CheckpointError naming the output."""
+        try:
+            yield
+        except OSError as error:
+            reason = error.strerror or str(error)
+            raise CheckpointError(f"cannot write {what}{self.out_path}: {reason}") from error
+
+    # -- context: staging, cleanup, signals -----------------------------------------------------
+    def __enter__(self) -> CheckpointWriter:
+        with self._output_errors():
+            self._created_dirs = make_missing_dirs(self.out_path.parent)
+            self._staging = Path(
+                tempfile.mkdtemp(prefix=f".{self.out_path.name}.tmp-", dir=self.out_path.parent)
+            )
+        self._install_signal_handlers()
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        committed = False
+        try:
+            if exc_type is None:
+                with self._output_errors():
+                    self._commit(self._assemble())
+                committed = True
+        finally:
+            if self._current is not None:
+                self._current.discard()
+            shutil.rmtree(self._staging, ignore_errors=True)
+            if not committed:
+                for folder in self._created_dirs:
+                    try:
+                        folder.rmdir()
+                    except OSError:
+                        break
+            self._staging = None
+            self._restore_signal_handlers()
+
+    def _install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            previous = signal.getsignal(signum)
+            if previous is not signal.SIG_IGN:
+                self._previous_handlers[signum] = previous
+                signal.signal(signum, raise_on_signal)
+
+    def _restore_signal_handlers(self) -> None:
+        for signum, previous in self._previous_handlers.items():
+            signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+        self._previous_handlers.clear()
+
+
+def make_missing_dirs(folder: Path) -> list[Path]:
+    """Create ``folder`` and its missing parents; return those created, deepest first."""
+    missing = []
+    while not folder.exists():
+        missing.append(folder)
+        folder = folder.parent
+    for created in reversed(missing):
+        created.mkdir()
+    return missing

@@ -1,0 +1,411 @@
+"""`mloco merge` through its entry points: `python -m mergekit_loco` in a subprocess, typer's
+CliRunner in-process, and every command of docs/merging.md on the bundled tiny checkpoints."""
+
+import errno
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoint_factory import load_state_dict, make_family, write_state_dict
+from typer.testing import CliRunner
+
+from mergekit_loco.cli import app, main
+from mergekit_loco.io import CheckpointError
+from mergekit_loco.io import writer as writer_module
+
+REPO = Path(__file__).resolve().parents[1]
+ENTRY_POINT = [sys.executable, "-m", "mergekit_loco"]
+runner = CliRunner()
+
+
+def run_entry_point(*args, cwd=None) -> subprocess.CompletedProcess:
+    command = [*ENTRY_POINT, *map(str, args)]
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(arg) for arg in args])
+
+
+def run_main(capsys, *args) -> tuple[int, str, str]:
+    """``mloco ARGS`` through :func:`main`, in-process: (exit code, stdout, stderr)."""
+    with pytest.raises(SystemExit) as exited:
+        main([str(arg) for arg in args])
+    captured = capsys.readouterr()
+    return exited.value.code, captured.out, captured.err
+
+
+def assert_one_line_error(stderr: str, *fragments: str) -> None:
+    assert "Traceback" not in stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+def temp_leftovers(folder: Path) -> list[str]:
+    return [p.name for p in folder.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    return make_family(tmp_path_factory.mktemp("sharded"), count=2, layout="sharded")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    return make_family(tmp_path_factory.mktemp("files"), count=2, layout="file")
+
+
+# -- through `python -m mergekit_loco` ---------------------------------------------------------
+
+
+def test_entry_point_merges_sharded_folders_into_a_loadable_folder(sharded, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    base, models = sharded
+    out = tmp_path / "merged"
+    done = run_entry_point(
+        "merge", *models, "--base", base, "--method", "ta", "--scale", "0.5",
+        "--shard-size", "4KB", "-o", out,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "tensors merged" in done.stdout and "peak memory" in done.stdout
+    assert (out / "model.safetensors.index.json").is_file() and (out / "config.json").is_file()
+    merged = LlamaForCausalLM.from_pretrained(out).state_dict()
+    base_state = load_state_dict(base)
+    model_states = [load_state_dict(model) for model in models]
+    for name, theta in base_state.items():
+        expected = theta.double() + 0.5 * sum(
+            s[name].double() - theta.double() for s in model_states
+        )
+        torch.testing.assert_close(merged[name].double(), expected, rtol=0, atol=1e-6)
+
+
+def test_entry_point_bad_input_is_one_line(files, tmp_path):
+    base, models = files
+    state = load_state_dict(models[1])
+    state["lm_head.weight"] = state["lm_head.weight"][:, :-1]
+    wrong = write_state_dict(state, tmp_path / "wrong.safetensors")
+    done = run_entry_point(
+        "merge", models[0], wrong, "--base", base, "--method", "ties", "-o", tmp_path / "out"
+    )
+    assert done.returncode == 2
+    assert_one_line_error(done.stderr, "wrong.safetensors", "'lm_head.weight'", "shape")
+    assert not (tmp_path / "out").exists() and temp_leftovers(tmp_path) == []
+
+
+def test_debug_reraises_the_error(files, tmp_path):
+    """--debug lets the exception (and so its traceback) through main()."""
+    base, models = files
+    ghost = tmp_path / "ghost.safetensors"
+    args = [
+        "merge",
+        models[0],
+        ghost,
+        "--base",
+        base,
+        "-m",
+        "ta",
+        "-o",
+        tmp_path / "out",
+        "--debug",
+    ]
+    with pytest.raises(CheckpointError, match="ghost.safetensors: no such file"):
+        main([str(arg) for arg in args])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_usage_errors_are_one_line_through_main(files, capsys):
+    base, models = files
+    code, _, stderr = run_main(capsys, "merge", *models, "--base", base, "--method", "ta")
+    assert code == 2
+    assert_one_line_error(stderr, "Missing option '--output'")
+    code, _, stderr = run_main(capsys, "merge", *models, "-o", "x", "-m", "ta", "--sclae", "2")
+    assert code == 2
+    assert_one_line_error(stderr, "No such option: --sclae")
+
+
+def test_no_arguments_shows_help(capsys):
+    code, stdout, _ = run_main(capsys)
+    assert code == 0 and "merge" in stdout and "methods" in stdout
+
+
+SIGNAL_SCRIPT = """
+import os, signal, sys
+from mergekit_loco.cli import main
+from mergekit_loco.io.writer import CheckpointWriter
+
+write = CheckpointWriter.write
+calls = []
+
+def write_then_signal(self, name, tensor):
+    calls.append(name)
+    if len(calls) == 3:
+        os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+    write(self, name, tensor)
+
+CheckpointWriter.write = write_then_signal
+main(sys.argv[2:])
+"""
+
+
+@pytest.mark.parametrize(
+    ("signal_name", "exit_code", "force"), [("SIGINT", 130, False), ("SIGTERM", 143, True)]
+)
+def test_signal_mid_write_leaves_nothing_partial(sharded, tmp_path, signal_name, exit_code, force):
+    """A real signal arrives while the third tensor is written."""
+    base, models = sharded
+    out = tmp_path / "merged"
+    if force:
+        out.mkdir()
+        (out / "model.safetensors").write_bytes(b"previous merge")
+    args = ["merge", *models, "--base", base, "--method", "ties", "-o", out, "--shard-size", "4KB"]
+    command = [sys.executable, "-c", SIGNAL_SCRIPT, signal_name, *map(str, args)]
+    done = subprocess.run(command + (["--force"] if force else []), capture_output=True, text=True)
+    assert done.returncode == exit_code, done.stderr
+    assert "Traceback" not in done.stderr
+    if signal_name == "SIGINT":
+        assert_one_line_error(done.stderr, "interrupted")
+    if force:
+        assert [p.name for p in out.iterdir()] == ["model.safetensors"]
+        assert (out / "model.safetensors").read_bytes() == b"previous merge"
+    else:
+        assert not out.exists()
+    assert temp_leftovers(tmp_path) == []
+
+
+# -- every bad input: exit 2, one line naming file and tensor, nothing written ----------------
+
+
+def corrupt_copy(source: Path, target: Path, how: str) -> Path:
+    raw = source.read_bytes()
+    header_length = int.from_bytes(raw[:8], "little")
+    if how == "header_cut":
+        target.write_bytes(raw[: 8 + header_length // 3])
+    elif how == "bad_json":
+        target.write_bytes(raw[:8] + b"#" * header_length + raw[8 + header_length :])
+    elif how == "data_cut":
+        target.write_bytes(raw[: len(raw) - 100])
+    return target
+
+
+def bad_input(case: str, tmp_path: Path, files, sharded) -> tuple[list, list[str]]:
+    """Command-line arguments for one bad input, and fragments the error line must contain."""
+    base, models = files
+    out = tmp_path / "out"
+    merge = ["merge", models[0]]
+    state = load_state_dict(models[1])
+
+    def with_model(model, method="ta", *options):
+        return [*merge, model, "--base", base, "--method", method, "-o", out, *options]
+
+    def broken_state(edit) -> Path:
+        edit(state)
+        return write_state_dict(state, tmp_path / "bad.safetensors")
+
+    if case == "missing_file":
+        return with_model(tmp_path / "ghost.safetensors"), ["ghost.safetensors", "no such file"]
+    if case == "no_weights_in_folder":
+        (tmp_path / "empty").mkdir()
+        return with_model(tmp_path / "empty"), ["empty", "no model.safetensors"]
+    if case in ("header_cut", "bad_json", "data_cut"):
+        broken = corrupt_copy(models[1], tmp_path / "bad.safetensors", case)
+        reason = {"header_cut": "header cut", "bad_json": "bad JSON header", "data_cut": "data cut"}
+        tensor = ["tensor '"] if case == "data_cut" else []
+        return with_model(broken), ["bad.safetensors", reason[case], *tensor]
+    if case == "missing_shard":
+        folder = shutil.copytree(sharded[1][1], tmp_path / "sharded-ft")
+        shard = sorted(folder.glob("model-*.safetensors"))[1]
+        shard.unlink()
+        return with_model(folder), ["model.safetensors.index.json", f"missing shard {shard.name}"]
+    if case == "missing_key":
+        broken = broken_state(lambda s: s.pop("model.norm.weight"))
+        return with_model(broken), ["bad.safetensors", "'model.norm.weight'", "missing"]
+    if case == "extra_key":
+        broken = broken_state(lambda s: s.update(extra=torch.ones(2)))
+        return with_model(broken), ["bad.safetensors", "'extra'", "not in the base"]
+    if case == "shape":
+        broken = broken_state(lambda s: s.update({"lm_head.weight": torch.ones(3, 3)}))
+        return with_model(broken), ["bad.safetensors", "'lm_head.weight'", "shape [3, 3]"]
+    if case == "kind":
+        broken = broken_state(
+            lambda s: s.update({"model.norm.weight": torch.ones(16, dtype=torch.int64)})
+        )
+        return with_model(broken), ["bad.safetensors", "'model.norm.weight'", "integer", "float"]
+    if case == "nan":
+        broken = broken_state(
+            lambda s: s["model.layers.1.mlp.up_proj.weight"].view(-1)[7].fill_(float("nan"))
+        )
+        return with_model(broken), ["bad.safetensors", "'model.layers.1.mlp.up_proj.weight'", "NaN"]
+    if case == "inf":
+        broken = broken_state(lambda s: s["model.norm.weight"].view(-1)[0].fill_(float("inf")))
+        return with_model(broken), ["bad.safetensors", "'model.norm.weight'", "Inf"]
+    if case == "output_exists":
+        out.mkdir()
+        return with_model(models[1]), [str(out), "exists", "--force"]
+    if case == "unknown_method":
+        return with_model(models[1], "soup"), ["unknown merge method 'soup'", "iso-cts"]
+    if case == "option_not_taken":
+        return with_model(models[1], "iso-c", "--density", "0.5"), [
+            "'iso-c' does not take 'density'"
+        ]
+    if case == "density_range":
+        return with_model(models[1], "ties", "--density", "0"), ["density must lie in (0, 1]"]
+    if case == "common_fraction_range":
+        args = with_model(models[1], "iso-cts", "--common-fraction", "1")
+        return args, ["common_fraction must lie in [0, 1)"]
+    if case == "dtype":
+        return with_model(models[1], "ta", "--dtype", "int8"), ["--dtype must be one of"]
+    if case == "shard_size":
+        return with_model(models[1], "ta", "--shard-size", "lots"), ["--shard-size", "'lots'"]
+    if case == "missing_base":
+        return [*merge, models[1], "--method", "ties", "-o", out], ["--base", "mloco merge "]
+    raise AssertionError(case)
+
+
+BAD_INPUTS = [
+    "missing_file", "no_weights_in_folder", "header_cut", "bad_json", "data_cut", "missing_shard",
+    "missing_key", "extra_key", "shape", "kind", "nan", "inf", "output_exists", "unknown_method",
+    "option_not_taken", "density_range", "common_fraction_range", "dtype", "shard_size",
+    "missing_base",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_input_exits_2_with_one_named_line(files, sharded, tmp_path, case):
+    args, fragments = bad_input(case, tmp_path, files, sharded)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    result = invoke(*args)
+    assert result.exit_code == 2, result.output
+    assert_one_line_error(result.stderr, *fragments)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing new, nothing removed
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
+def test_unreadable_file(files, tmp_path):
+    base, models = files
+    locked = Path(shutil.copy(models[1], tmp_path / "locked.safetensors"))
+    locked.chmod(0)
+    result = invoke(
+        "merge", models[0], locked, "--base", base, "--method", "ta", "-o", tmp_path / "o"
+    )
+    assert result.exit_code == 2
+    assert_one_line_error(result.stderr, "locked.safetensors", "cannot read")
+
+
+@pytest.mark.parametrize(
+    ("error_number", "reason"),
+    [(errno.ENOSPC, "No space left on device"), (errno.EROFS, "Read-only file system")],
+)
+def test_full_or_read_only_disk_mid_write_keeps_previous_output(
+    files, tmp_path, monkeypatch, error_number, reason
+):
+    """The disk fails on the third tensor of a --force merge: one line, the old output intact."""
+    base, models = files
+    out = tmp_path / "merged.safetensors"
+    out.write_bytes(b"previous merge")
+    add = writer_module.ShardBuilder.add
+    calls = []
+
+    def failing_add(self, name, tensor):
+        calls.append(name)
+        if len(calls) == 3:
+            raise OSError(error_number, os.strerror(error_number))
+        add(self, name, tensor)
+
+    monkeypatch.setattr(writer_module.ShardBuilder, "add", failing_add)
+    result = invoke("merge", *models, "--base", base, "--method", "ta", "-o", out, "--force")
+    assert result.exit_code == 2
+    assert_one_line_error(result.stderr, "cannot write tensor", "merged.safetensors", reason)
+    assert out.read_bytes() == b"previous merge" and temp_leftovers(tmp_path) == []
+
+
+# -- successful runs in-process ---------------------------------------------------------------
+
+
+def test_single_files_in_sharded_folder_out_with_force(files, tmp_path):
+    base, models = files
+    out = tmp_path / "merged"
+    (out).mkdir()
+    (out / "stale.bin").write_bytes(b"old")
+    args = ["merge", *models, "--base", base, "-m", "dare", "--density", "0.5", "--seed", "1"]
+    result = invoke(*args, "-o", out, "--shard-size", "8KiB", "--force", "--quiet")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == ""
+    names = {p.name for p in out.iterdir()}
+    assert "stale.bin" not in names and "model.safetensors.index.json" in names
+    assert set(load_state_dict(out)) == set(load_state_dict(base))
+
+
+def test_mean_without_base_and_float16_output(files, tmp_path):
+    _, models = files
+    out = tmp_path / "soup.safetensors"
+    result = invoke("merge", *models, "--method", "mean", "--dtype", "float16", "-o", out)
+    assert result.exit_code == 0, result.output
+    assert "merged 2 models with mean" in result.stdout
+    states = [load_state_dict(model) for model in models]
+    for name, tensor in load_state_dict(out).items():
+        expected = (states[0][name].double() + states[1][name].double()) / 2
+        assert tensor.dtype == torch.float16
+        torch.testing.assert_close(tensor, expected.half(), rtol=2**-10, atol=1e-6)
+
+
+def test_methods_lists_every_method_with_parameters():
+    result = invoke("methods")
+    assert result.exit_code == 0
+    for name in ("mean", "ta", "ties", "dare", "breadcrumbs", "tsv", "iso-c", "iso-cts"):
+        assert re.search(rf"^{re.escape(name)}\b", result.stdout, re.MULTILINE), name
+    assert "density=0.2" in result.stdout and "common_fraction=0.8" in result.stdout
+
+
+# -- docs/merging.md: every command of the worked example --------------------------------------
+
+
+def docs_blocks(language: str) -> list[str]:
+    text = (REPO / "docs" / "merging.md").read_text()
+    return re.findall(rf"^```{language}\n(.*?)^```", text, re.MULTILINE | re.DOTALL)
+
+
+def console_examples() -> list[tuple[str, str]]:
+    """``$ mloco ...`` lines of console blocks with the output shown under each."""
+    examples = []
+    for block in docs_blocks("console"):
+        for chunk in re.split(r"^\$ ", block, flags=re.MULTILINE)[1:]:
+            command, _, output = chunk.partition("\n")
+            examples.append((command, output.strip()))
+    return examples
+
+
+def test_docs_examples_run(tmp_path, monkeypatch, capsys):
+    """The commands run through main() in-process (the subprocess path is tested above)."""
+    (tmp_path / "examples").mkdir()
+    shutil.copytree(REPO / "examples" / "tiny", tmp_path / "examples" / "tiny")
+    monkeypatch.chdir(tmp_path)
+    commands = [
+        line for b in docs_blocks("bash") for line in b.splitlines() if line.startswith("mloco ")
+    ]
+    assert len(commands) >= 3
+    for command in commands:
+        code, _, stderr = run_main(capsys, *shlex.split(command)[1:])
+        assert code == 0, (command, stderr)
+    assert (tmp_path / "merged-ties" / "config.json").is_file()
+    assert (
+        load_state_dict(tmp_path / "merged-ta.safetensors")["lm_head.weight"].dtype
+        == torch.bfloat16
+    )
+    examples = console_examples()
+    assert len(examples) >= 3
+    for command, shown in examples:
+        code, _, stderr = run_main(capsys, *shlex.split(command)[1:])
+        assert code == 2 and stderr.strip() == shown, (command, stderr)
+    for block in docs_blocks("python"):
+        exec(compile(block, "docs/merging.md", "exec"), {})
+    assert (tmp_path / "merged-api" / "model.safetensors").is_file()
+    assert (tmp_path / "copy" / "model.safetensors").is_file()

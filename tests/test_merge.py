@@ -1,0 +1,220 @@
+"""merge_checkpoints: streamed merges checked against float64 formulas and in-memory merges."""
+
+import pytest
+import torch
+from checkpoint_factory import load_state_dict, make_family, write_state_dict
+
+from mergekit_loco import TaskVector, get_method
+from mergekit_loco.io import CheckpointError, OutputExistsError
+from mergekit_loco.merge import MissingBaseError, merge_checkpoints
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    """A float32 base and 2 fine-tunes, as sharded HF folders."""
+    return make_family(tmp_path_factory.mktemp("sharded"), count=2, layout="sharded")
+
+
+@pytest.fixture(scope="module")
+def bf16_files(tmp_path_factory):
+    """A bfloat16 base and 3 fine-tunes, as single .safetensors files."""
+    return make_family(
+        tmp_path_factory.mktemp("bf16"), count=3, layout="file", dtype=torch.bfloat16
+    )
+
+
+def float64_states(base, models):
+    base_state = {n: t.double() for n, t in load_state_dict(base).items()}
+    return base_state, [{n: t.double() for n, t in load_state_dict(m).items()} for m in models]
+
+
+def test_ta_equals_float64_formula_sharded_in_file_out(sharded, tmp_path):
+    base, models = sharded
+    out = tmp_path / "merged.safetensors"
+    summary = merge_checkpoints(models, base, "ta", out, scale=0.7, progress=False)
+    base_state, model_states = float64_states(base, models)
+    merged = load_state_dict(out)
+    assert set(merged) == set(base_state)
+    for name, theta in base_state.items():
+        expected = theta + 0.7 * sum(state[name] - theta for state in model_states)
+        assert merged[name].dtype == torch.float32
+        torch.testing.assert_close(merged[name].double(), expected, rtol=0, atol=1e-6)
+    assert (summary.tensors_merged, summary.tensors_copied) == (len(base_state), 0)
+    assert summary.out == out and summary.method == "ta" and summary.models == 2
+    assert summary.seconds > 0 and summary.peak_rss_bytes > 2**20
+
+
+def test_bf16_base_gives_bf16_output(bf16_files, tmp_path):
+    base, models = bf16_files
+    out = tmp_path / "merged.safetensors"
+    merge_checkpoints(models, base, "ta", out, scale=0.5, progress=False)
+    base_state, model_states = float64_states(base, models)
+    merged = load_state_dict(out)
+    for name, theta in base_state.items():
+        expected = (theta + 0.5 * sum(state[name] - theta for state in model_states)).bfloat16()
+        assert merged[name].dtype == torch.bfloat16
+        # float32 math may round differently from float64 at a bf16 rounding boundary: 1 ulp.
+        torch.testing.assert_close(merged[name], expected, rtol=2**-7, atol=1e-6)
+
+
+def test_dtype_option_overrides_base_dtype(bf16_files, tmp_path):
+    base, models = bf16_files
+    out = tmp_path / "merged.safetensors"
+    merge_checkpoints(models[:2], base, "ta", out, dtype=torch.float32, progress=False)
+    base_state, model_states = float64_states(base, models[:2])
+    merged = load_state_dict(out)
+    for name, theta in base_state.items():
+        expected = theta + sum(state[name] - theta for state in model_states)
+        assert merged[name].dtype == torch.float32
+        torch.testing.assert_close(merged[name].double(), expected, rtol=0, atol=1e-6)
+
+
+def test_mean_without_base_is_mean_of_models(sharded, tmp_path):
+    _, models = sharded
+    out = tmp_path / "soup"
+    summary = merge_checkpoints(models, None, "mean", out, progress=False)
+    states = [{n: t.double() for n, t in load_state_dict(m).items()} for m in models]
+    merged = load_state_dict(out)
+    for name in states[0]:
+        expected = sum(state[name] for state in states) / len(states)
+        torch.testing.assert_close(merged[name].double(), expected, rtol=0, atol=1e-6)
+    assert summary.tensors_merged == len(states[0])
+    assert (out / "config.json").is_file()  # configs come from the first model
+
+
+def test_integer_tensors_are_copied_from_base(tmp_path):
+    base = {"w": torch.ones(2, 3), "position_ids": torch.arange(5)}
+    models = [
+        write_state_dict(
+            {"w": torch.full((2, 3), 1.0 + i), "position_ids": torch.arange(5) * i},
+            tmp_path / f"m{i}.safetensors",
+        )
+        for i in (1, 2)
+    ]
+    base_path = write_state_dict(base, tmp_path / "base.safetensors")
+    out = tmp_path / "out.safetensors"
+    summary = merge_checkpoints(models, base_path, "ta", out, progress=False)
+    merged = load_state_dict(out)
+    assert torch.equal(merged["position_ids"], torch.arange(5))
+    assert torch.equal(merged["w"], torch.full((2, 3), 1.0 + 1.0 + 2.0))
+    assert (summary.tensors_merged, summary.tensors_copied) == (1, 1)
+
+
+@pytest.mark.parametrize(
+    ("method", "params"),
+    [
+        ("ties", {"density": 0.3}),
+        ("dare", {"density": 0.7, "seed": 3}),
+        ("breadcrumbs", {"density": 0.8, "gamma": 0.05}),
+        ("tsv", {}),
+        ("iso-c", {"spectral": "exact"}),
+        ("iso-cts", {"common_fraction": 0.5}),
+    ],
+)
+def test_streamed_merge_equals_in_memory_merge(sharded, tmp_path, method, params):
+    """Streaming one tensor at a time gives what the method gives on whole task vectors."""
+    base, models = sharded
+    out = tmp_path / "merged"
+    merge_checkpoints(models, base, method, out, scale=0.8, progress=False, **params)
+    task_vectors = [TaskVector.from_checkpoints(model, base) for model in models]
+    expected = (
+        get_method(method, **params).merge(task_vectors).apply_to(load_state_dict(base), scale=0.8)
+    )
+    merged = load_state_dict(out)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(merged[name], tensor, rtol=1e-5, atol=1e-6)
+
+
+def test_method_object_is_accepted_but_not_with_params(sharded, tmp_path):
+    base, models = sharded
+    method = get_method("ties", density=0.5)
+    merge_checkpoints(models, base, method, tmp_path / "a.safetensors", progress=False)
+    with pytest.raises(ValueError, match="density"):
+        merge_checkpoints(models, base, method, tmp_path / "b.safetensors", density=0.2)
+    assert not (tmp_path / "b.safetensors").exists()
+
+
+def test_missing_base_explains_and_shows_the_command(sharded, tmp_path):
+    _, models = sharded
+    with pytest.raises(MissingBaseError) as caught:
+        merge_checkpoints(models, None, "ties", tmp_path / "out", density=0.5)
+    message = str(caught.value)
+    assert "--base" in message and "fine-tuned from" in message and "model - base" in message
+    assert f"mloco merge {models[0]} {models[1]} --base BASE --method ties -o" in message
+    assert "--method mean" in message
+
+
+# -- bad inputs: named errors, nothing written ---------------------------------------------------
+
+BASE = {"a.weight": torch.ones(4, 4), "b.bias": torch.zeros(4)}
+
+
+def broken_model(how: str) -> tuple[dict, str]:
+    """A model state dict that does not fit BASE, and a regex the error must match."""
+    model = {name: tensor + 0.1 for name, tensor in BASE.items()}
+    if how == "missing_key":
+        del model["b.bias"]
+        return model, r"m\.safetensors: tensor 'b\.bias' of the base .*base\.safetensors.* missing"
+    if how == "extra_key":
+        model["c.weight"] = torch.ones(2)
+        return model, r"m\.safetensors: tensor 'c\.weight' is not in the base"
+    if how == "shape":
+        model["a.weight"] = torch.ones(4, 5)
+        return model, r"m\.safetensors: tensor 'a\.weight' has shape \[4, 5\] but the base"
+    if how == "kind":
+        model["b.bias"] = torch.zeros(4, dtype=torch.int32)
+        return model, r"m\.safetensors: tensor 'b\.bias' is integer .* the base's is float"
+    if how == "nan":
+        model["b.bias"][2] = float("nan")
+        return model, r"m\.safetensors: tensor 'b\.bias' contains NaN"
+    if how == "inf":
+        model["a.weight"][0, 1] = float("-inf")
+        return model, r"m\.safetensors: tensor 'a\.weight' contains Inf"
+    raise AssertionError(how)
+
+
+@pytest.mark.parametrize("how", ["missing_key", "extra_key", "shape", "kind", "nan", "inf"])
+@pytest.mark.parametrize("out_name", ["out.safetensors", "out"])
+def test_bad_inputs_raise_named_errors_and_write_nothing(tmp_path, how, out_name):
+    base = write_state_dict(BASE, tmp_path / "base.safetensors")
+    good = write_state_dict({n: t - 0.1 for n, t in BASE.items()}, tmp_path / "good.safetensors")
+    model, message = broken_model(how)
+    broken = write_state_dict(model, tmp_path / "m.safetensors")
+    with pytest.raises(CheckpointError, match=message):
+        merge_checkpoints([good, broken], base, "ta", tmp_path / out_name, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "base.safetensors",
+        "good.safetensors",
+        "m.safetensors",
+    ]
+
+
+def test_nan_in_base_is_named(tmp_path):
+    base = write_state_dict({"w": torch.tensor([1.0, float("nan")])}, tmp_path / "base.safetensors")
+    model = write_state_dict({"w": torch.ones(2)}, tmp_path / "m.safetensors")
+    with pytest.raises(CheckpointError, match=r"base\.safetensors: tensor 'w' contains NaN"):
+        merge_checkpoints([model], base, "ta", tmp_path / "out.safetensors", progress=False)
+
+
+def test_overflow_in_output_dtype_is_an_error(tmp_path):
+    base = write_state_dict({"w": torch.full((2,), 60000.0)}, tmp_path / "base.safetensors")
+    model = write_state_dict({"w": torch.full((2,), 65000.0)}, tmp_path / "m.safetensors")
+    out = tmp_path / "out.safetensors"
+    with pytest.raises(ValueError, match="'w' is not finite in torch.float16"):
+        merge_checkpoints([model, model], base, "ta", out, dtype=torch.float16, progress=False)
+    assert not out.exists()
+
+
+def test_existing_output_refused_and_failed_force_keeps_it(tmp_path):
+    base = write_state_dict(BASE, tmp_path / "base.safetensors")
+    model, _ = broken_model("nan")
+    broken = write_state_dict(model, tmp_path / "m.safetensors")
+    out = tmp_path / "out.safetensors"
+    out.write_bytes(b"previous merge")
+    with pytest.raises(OutputExistsError, match="out.safetensors: output file exists"):
+        merge_checkpoints([base], base, "ta", out, progress=False)
+    with pytest.raises(CheckpointError, match="contains NaN"):
+        merge_checkpoints([broken], base, "ta", out, force=True, progress=False)
+    assert out.read_bytes() == b"previous merge"
+    merge_checkpoints([base], base, "ta", out, force=True, progress=False)
+    assert torch.equal(load_state_dict(out)["a.weight"], BASE["a.weight"])
