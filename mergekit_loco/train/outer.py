@@ -9,15 +9,24 @@ import torch
 import torch.distributed as dist
 
 from mergekit_loco.methods import MergeMethod, get_method
+from mergekit_loco.methods.base import is_matrix
 from mergekit_loco.task_vector import TaskVector
+
+
+def matrices_divided(delta: TaskVector, workers: int) -> TaskVector:
+    """``tau / R`` on matrices, ``tau`` elsewhere: Iso-C / Iso-CTS act on the workers' mean, so
+    their spectral (matrix) step sees ``tau_i / R`` while non-matrix tensors, which they average,
+    stay as they are (the reference code averages those raw deltas)."""
+    return TaskVector({n: d / workers if is_matrix(d) else d for n, d in delta.items()})
 
 
 class OuterOptimizer:
     """DiLoCo's outer step with any merge method as the aggregator.
 
     For worker deltas ``tau_i = theta_i - theta`` (i = 1..R, over all ranks):
-    ``merged = method(tau_1/R, .., tau_R/R)`` if the method acts on the mean (Iso-C, Iso-CTS),
-    else ``method(tau_1, .., tau_R)``; pseudo-gradient ``g = -merged``;
+    ``merged = method(tau_1/R, .., tau_R/R)`` if the method acts on the mean (Iso-C, Iso-CTS; the
+    1/R applies to matrices, non-matrix tensors are averaged), else ``method(tau_1, .., tau_R)``;
+    pseudo-gradient ``g = -merged``;
     ``buf = momentum * buf + g``; ``update = g + momentum * buf`` (Nesterov) or ``buf``;
     ``theta -= lr * update`` (torch SGD semantics, dampening 0). Computed in the dtype of
     ``params``, updated in place.
@@ -74,7 +83,7 @@ class OuterOptimizer:
             raise ValueError("outer step needs at least one worker delta on every rank")
         total_workers = len(deltas) * self._world_size()
         if self.method.aggregates_mean:
-            deltas = [delta * (1.0 / total_workers) for delta in deltas]
+            deltas = [matrices_divided(delta, total_workers) for delta in deltas]
         method = self._method_for_this_step()
         if self._world_size() == 1:
             return method.merge(deltas)
@@ -87,12 +96,13 @@ class OuterOptimizer:
     def step(self, deltas: Sequence[TaskVector]) -> TaskVector:
         """Aggregate ``deltas`` and update ``params`` in place; returns the merged delta."""
         merged = self.aggregate(deltas)
+        for name in merged:
+            if not torch.isfinite(merged[name]).all():
+                raise FloatingPointError(f"non-finite pseudo-gradient for {name!r}; params kept")
         for name, param in self.params.items():
             if name not in merged:
                 continue
             pseudo_gradient = -merged[name].to(param.dtype)
-            if not torch.isfinite(pseudo_gradient).all():
-                raise FloatingPointError(f"non-finite pseudo-gradient for {name!r}")
             update = pseudo_gradient
             if self.momentum > 0:
                 buf = self.momentum_buffers.get(name)

@@ -1,0 +1,216 @@
+"""``mloco train``: flags -> :class:`TrainConfig` -> :func:`train`. Thin on purpose.
+
+Run it directly (or under torchrun) with ``python -m mergekit_loco.cli_train --workers 8 ...``
+or ``torchrun --nproc_per_node 2 -m mergekit_loco.cli_train --workers 8 ...``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from mergekit_loco.cli import (
+    EXIT_BAD_INPUT,
+    EXIT_INTERRUPTED,
+    Debug,
+    Quiet,
+    one_line,
+    print_error,
+    user_errors,
+)
+from mergekit_loco.methods import list_methods
+from mergekit_loco.train.config import PRESETS, resolve_config
+from mergekit_loco.train.loop import TrainingDiverged, TrainingInterrupted, train
+
+EXIT_DIVERGED = 1
+
+
+def parse_aggregator_options(pairs: list[str]) -> dict:
+    """``["density=0.5", "rank_aware=true"]`` -> ``{"density": 0.5, "rank_aware": True}``."""
+    options = {}
+    for pair in pairs:
+        key, separator, text = pair.partition("=")
+        if not separator or not key.strip():
+            raise ValueError(f"--option expects KEY=VALUE, got {pair!r}")
+        try:
+            options[key.strip()] = json.loads(text)
+        except json.JSONDecodeError:
+            options[key.strip()] = text
+    return options
+
+
+@user_errors
+def train_command(
+    preset: Annotated[
+        str | None, typer.Option(help=f"Tuned settings: {', '.join(PRESETS)} (default diloco).")
+    ] = None,
+    model: Annotated[
+        str | None, typer.Option(help="micro, nano, 178m, 512m or a config.json (default nano).")
+    ] = None,
+    workers: Annotated[
+        int | None, typer.Option(help="R, the number of workers (default 8).")
+    ] = None,
+    inner_steps: Annotated[
+        int | None, typer.Option(help="H, inner steps per round (default 30).")
+    ] = None,
+    global_batch: Annotated[
+        int | None, typer.Option(help="Sequences per inner step over all workers (default 64).")
+    ] = None,
+    seq_len: Annotated[int | None, typer.Option(help="Tokens per sequence (default 128).")] = None,
+    tokens: Annotated[int | None, typer.Option(help="Token budget (default 2000000).")] = None,
+    chinchilla: Annotated[
+        float | None,
+        typer.Option(help="Token budget as tokens per parameter (instead of --tokens)."),
+    ] = None,
+    seed: Annotated[
+        int | None, typer.Option(help="Seed of init, data order, DARE masks (default 0).")
+    ] = None,
+    data: Annotated[
+        str | None,
+        typer.Option(help="stdlib, pydoc, a text/jsonl file or a folder (default stdlib)."),
+    ] = None,
+    tokenizer: Annotated[
+        str | None, typer.Option(help="A tokenizer folder (default: BPE trained on the data).")
+    ] = None,
+    vocab_size: Annotated[
+        int | None, typer.Option(help="Vocabulary of a trained BPE (default 4096).")
+    ] = None,
+    val_tokens: Annotated[
+        int | None, typer.Option(help="Held-out validation tokens (default 65536).")
+    ] = None,
+    out: Annotated[Path | None, typer.Option(help="Run folder (default runs/train).")] = None,
+    checkpoint_every: Annotated[
+        int | None, typer.Option(help="Checkpoint every N rounds; 0: only at the end (default 0).")
+    ] = None,
+    keep_checkpoints: Annotated[
+        int | None, typer.Option(help="Checkpoints kept (default 2).")
+    ] = None,
+    eval_every: Annotated[
+        int | None,
+        typer.Option(help="Validation loss every N rounds; 0: only at the end (default 0)."),
+    ] = None,
+    stop_after: Annotated[
+        int | None, typer.Option(help="Stop (with a checkpoint) after N rounds; resume later.")
+    ] = None,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Continue the run in --out from its latest checkpoint.")
+    ] = False,
+    allow_config_change: Annotated[
+        bool, typer.Option("--allow-config-change", help="Resume even if the config differs.")
+    ] = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="Start over in an --out that holds a run.")
+    ] = False,
+    init: Annotated[
+        str | None, typer.Option(help="Start from this HF folder / safetensors (fine-tuning).")
+    ] = None,
+    config: Annotated[
+        Path | None, typer.Option("--config", help="A .toml, .yaml or .json config file.")
+    ] = None,
+    mode: Annotated[
+        str | None, typer.Option(help="diloco, or dp: the data-parallel baseline (default diloco).")
+    ] = None,
+    aggregator: Annotated[
+        str | None, typer.Option(help=f"Merge method: {', '.join(list_methods())} (default mean).")
+    ] = None,
+    outer_lr: Annotated[
+        float | None, typer.Option(help="Outer learning rate (default 0.7).")
+    ] = None,
+    outer_momentum: Annotated[
+        float | None, typer.Option(help="Outer momentum (default 0.9).")
+    ] = None,
+    nesterov: Annotated[
+        bool | None, typer.Option("--nesterov/--no-nesterov", help="Nesterov outer momentum.")
+    ] = None,
+    inner_lr: Annotated[
+        float | None, typer.Option(help="Peak inner learning rate (default 1.38e-3).")
+    ] = None,
+    inner_optimizer: Annotated[
+        str | None, typer.Option(help="adamw or muon (default adamw).")
+    ] = None,
+    weight_decay: Annotated[
+        float | None, typer.Option(help="Inner weight decay (default 0.1).")
+    ] = None,
+    grad_clip: Annotated[
+        float | None, typer.Option(help="Gradient norm clip; 0: off (default 1.0).")
+    ] = None,
+    warmup_fraction: Annotated[
+        float | None, typer.Option(help="Warmup share of the inner steps (default 0.1).")
+    ] = None,
+    density: Annotated[
+        float | None, typer.Option(help="ties/dare/breadcrumbs aggregator: fraction kept.")
+    ] = None,
+    gamma: Annotated[
+        float | None, typer.Option(help="breadcrumbs aggregator: top fraction dropped.")
+    ] = None,
+    common_fraction: Annotated[
+        float | None, typer.Option(help="iso-cts aggregator: common subspace fraction.")
+    ] = None,
+    spectral: Annotated[
+        str | None, typer.Option(help="iso-c/iso-cts aggregator: exact (SVD) or ns.")
+    ] = None,
+    option: Annotated[
+        list[str] | None, typer.Option(help="Any aggregator option as KEY=VALUE (repeatable).")
+    ] = None,
+    timeout: Annotated[
+        float | None,
+        typer.Option(help="Collective timeout in seconds under torchrun (default 1800)."),
+    ] = None,
+    device: Annotated[str | None, typer.Option(help="auto, cpu or cuda (default auto).")] = None,
+    quiet: Quiet = False,
+    debug: Debug = False,
+) -> None:
+    """DiLoCo training where any merge method is the aggregator (or a data-parallel baseline)."""
+    aggregator_options = parse_aggregator_options(option or [])
+    named = {"density": density, "gamma": gamma, "common_fraction": common_fraction,
+             "spectral": spectral}  # fmt: skip
+    aggregator_options |= {key: value for key, value in named.items() if value is not None}
+    flags = dict(
+        preset=preset, model=model, workers=workers, inner_steps=inner_steps,
+        global_batch=global_batch, seq_len=seq_len, tokens=tokens, chinchilla=chinchilla,
+        seed=seed, data=data, tokenizer=tokenizer, vocab_size=vocab_size, val_tokens=val_tokens,
+        out=str(out) if out is not None else None, checkpoint_every=checkpoint_every,
+        keep_checkpoints=keep_checkpoints, eval_every=eval_every, stop_after=stop_after,
+        resume=resume or None, allow_config_change=allow_config_change or None,
+        force=force or None, init=init, mode=mode, aggregator=aggregator, outer_lr=outer_lr,
+        outer_momentum=outer_momentum, nesterov=nesterov, inner_lr=inner_lr,
+        inner_optimizer=inner_optimizer, weight_decay=weight_decay, grad_clip=grad_clip,
+        warmup_fraction=warmup_fraction, timeout=timeout, device=device, quiet=quiet or None,
+        aggregator_options=aggregator_options or None,
+    )  # fmt: skip
+    run_config = resolve_config(config, **flags)
+    try:
+        result = train(run_config, progress=not quiet)
+    except TrainingInterrupted as stopped:
+        print_error(one_line(stopped))
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    except TrainingDiverged as diverged:
+        if debug:
+            raise
+        print_error(one_line(diverged))
+        raise typer.Exit(EXIT_DIVERGED) from None
+    if not result.finished and not quiet:
+        typer.echo(
+            f"stopped after round {result.rounds}; continue with --resume --out {result.out}"
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m mergekit_loco.cli_train``: the train command alone (torchrun's entry)."""
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    app.command(name="train")(train_command)
+    args = sys.argv[1:] if argv is None else list(argv)
+    try:
+        exit_code = app(args=args, prog_name="mloco train", standalone_mode=False)
+    except typer.TyperException as error:
+        print_error(one_line(error.format_message()))
+        exit_code = getattr(error, "exit_code", EXIT_BAD_INPUT)
+    sys.exit(exit_code if isinstance(exit_code, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,360 @@
+"""The training loop end to end on the micro model: outputs, resume exactness, errors, CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import typer
+from transformers import AutoTokenizer, LlamaForCausalLM
+from typer.testing import CliRunner
+
+from mergekit_loco.cli_train import train_command
+from mergekit_loco.train import loop
+from mergekit_loco.train.checkpoint import CheckpointCorrupt, latest_checkpoint
+from mergekit_loco.train.config import PRESETS, TrainConfig, resolve_config
+from mergekit_loco.train.data import prepare_data
+from mergekit_loco.train.loop import TrainingDiverged, TrainingInterrupted, train
+from mergekit_loco.train.model import build_model, model_config, parameter_checksum
+from mergekit_loco.train.workers import InnerOptimizer
+
+CORPUS_FILES = (
+    "textwrap.py", "string.py", "json/__init__.py", "json/decoder.py", "json/encoder.py",
+    "csv.py", "fractions.py", "heapq.py", "bisect.py", "shlex.py", "glob.py", "fnmatch.py",
+)  # fmt: skip
+#: micro model, R = 4, H = 2, 8 sequences of 32 tokens per inner step (2 per worker):
+#: 512 tokens a step, 4 rounds of 2 steps.
+TINY = dict(
+    model="micro", workers=4, inner_steps=2, global_batch=8, seq_len=32, tokens=2048,
+    vocab_size=512, val_tokens=1024, device="cpu",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    """A folder of a few stdlib modules; MLOCO_CACHE in a temp dir for the whole module.
+
+    Torch runs single-threaded here: these models are tiny, and on a shared 2-core machine
+    OpenMP threads waiting for each other made a step up to 30x slower."""
+    root = tmp_path_factory.mktemp("train-data")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for name in CORPUS_FILES:
+        (root / "corpus" / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(stdlib / name, root / "corpus" / name)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLOCO_CACHE", str(root / "cache"))
+        patch.setenv("OMP_NUM_THREADS", "1")
+        yield str(root / "corpus")
+    torch.set_num_threads(threads)
+
+
+def tiny_config(corpus: str, out: Path, **overrides) -> TrainConfig:
+    return resolve_config(None, **{**TINY, "data": corpus, "out": str(out), **overrides})
+
+
+def read_metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def reference_run(corpus, tmp_path_factory):
+    """An uninterrupted isoloco run (momentum, Iso-C) of 4 rounds, checkpoint every round."""
+    out = tmp_path_factory.mktemp("reference")
+    config = tiny_config(corpus, out, preset="isoloco", checkpoint_every=1, eval_every=2)
+    return train(config, progress=False)
+
+
+# -- config ----------------------------------------------------------------------------------------
+def test_presets_hold_the_tuned_paper_values():
+    expected = {  # preset: aggregator, outer lr, momentum, nesterov, inner lr
+        "diloco": ("mean", 0.7, 0.9, True, 1.38e-3),
+        "diloco-sgd": ("mean", 1.6, 0.0, False, 1.38e-3),
+        "isoloco": ("iso-c", 1.8, 0.8, True, 1.38e-3),
+        "isoloco-ns": ("iso-c", 1.8, 0.8, True, 1.38e-3),
+        "isoc-sgd": ("iso-c", 2.1, 0.0, False, 3.91e-3),
+        "iso-cts": ("iso-cts", 3.1, 0.0, False, 3.91e-3),
+        "tsv": ("tsv", 0.6, 0.0, False, 2.76e-3),
+        "ties": ("ties", 0.7, 0.0, False, 2.76e-3),
+        "dare": ("dare", 1.5, 0.0, False, 2.76e-3),
+    }
+    for preset, values in expected.items():
+        config = resolve_config(preset=preset)
+        got = (config.aggregator, config.outer_lr, config.outer_momentum, config.nesterov)
+        assert (*got, config.inner_lr) == values, preset
+    assert resolve_config(preset="isoloco-ns").aggregator_options == {"spectral": "ns"}
+    assert resolve_config(preset="ties").aggregator_options == {"density": 0.9}
+    assert resolve_config(preset="dare").aggregator_options == {"density": 0.9}
+    dp = resolve_config(preset="dp")
+    assert (dp.mode, dp.inner_lr, dp.weight_decay) == ("dp", 1.95e-3, 0.15)
+    assert set(expected) | {"dp"} == set(PRESETS)
+
+
+def test_config_file_then_flags(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text(
+        'preset = "ties"\nworkers = 4\nouter-lr = 0.5\n[aggregator_options]\ndensity = 0.5\n'
+    )
+    config = resolve_config(toml, outer_lr=0.9)
+    assert (config.aggregator, config.workers, config.outer_lr) == ("ties", 4, 0.9)
+    assert config.aggregator_options == {"density": 0.5}
+    yaml = tmp_path / "run.yaml"
+    yaml.write_text("aggregator: iso-c\naggregator_options: {spectral: ns}\nbetas: [0.8, 0.9]\n")
+    config = resolve_config(yaml, aggregator_options={"rank_aware": True})
+    assert config.aggregator_options == {"spectral": "ns", "rank_aware": True}
+    assert config.betas == (0.8, 0.9)
+    # the resolved config survives a round trip through config.json
+    assert TrainConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+    (tmp_path / "bad.toml").write_text("wokers = 4\n")
+    with pytest.raises(ValueError, match="bad.toml: unknown option 'wokers'"):
+        resolve_config(tmp_path / "bad.toml")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (dict(global_batch=10), "global_batch 10 is not divisible by 4 workers"),
+        (dict(inner_steps=0), "inner_steps must be >= 1"),
+        (dict(aggregator="iso-c", aggregator_options={"densty": 0.5}), "does not take 'densty'"),
+        (dict(tokens=500), "less than one round"),
+        (dict(tokens=100, chinchilla=20.0), "tokens or chinchilla, not both"),
+        (dict(preset="diloco-sgd", nesterov=True), "nesterov needs outer_momentum > 0"),
+    ],
+)
+def test_bad_config_is_refused_before_anything_runs(corpus, tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        train(tiny_config(corpus, tmp_path / "run", **overrides), progress=False)
+    assert not (tmp_path / "run").exists()
+
+
+def test_aggregator_that_cannot_fit_the_model_fails_before_training(corpus, tmp_path):
+    """TSV keeps min(m, n) // R components: 64 workers leave none for the 32-wide micro model."""
+    config = tiny_config(corpus, tmp_path, aggregator="tsv", workers=64, global_batch=64,
+                         tokens=64 * 32 * 2)  # fmt: skip
+    with pytest.raises(ValueError, match="tsv: tensor"):
+        train(config, progress=False)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_data_too_small_for_the_budget(corpus, tmp_path):
+    with pytest.raises(ValueError, match="needs 40,960,000 training tokens"):
+        train(tiny_config(corpus, tmp_path, tokens=40_960_000), progress=False)
+
+
+# -- a run -----------------------------------------------------------------------------------------
+def test_run_writes_metrics_config_and_a_loadable_final_model(corpus, reference_run):
+    out = reference_run.out
+    events = read_metrics(out)
+    assert [e["event"] for e in events] == ["round", "round", "eval", "round", "round", "final"]
+    assert [e["round"] for e in events if e["event"] == "round"] == [1, 2, 3, 4]
+    assert [e["tokens"] for e in events if e["event"] == "round"] == [512, 1024, 1536, 2048]
+    round_event = events[0]
+    for key in ("train_loss", "outer_step_seconds", "comm_bytes_sent", "tokens_per_second"):
+        assert key in round_event
+    final = events[-1]
+    assert final["val_loss"] == reference_run.val_loss and reference_run.finished
+    assert json.loads((out / "config.json").read_text())["aggregator"] == "iso-c"
+
+    model = LlamaForCausalLM.from_pretrained(out / "final")
+    params = dict(model.named_parameters())
+    assert params["lm_head.weight"].dtype == torch.float32
+    assert parameter_checksum(params) == reference_run.checksum == final["checksum"]
+    tokenizer = AutoTokenizer.from_pretrained(out / "final")
+    # comm bytes: one float32 copy of the model per worker per round
+    assert round_event["comm_bytes_sent"] == 4 * sum(p.numel() for p in params.values())
+
+    # the reported val loss is the token-weighted NLL of the final model, computed here by hand
+    val = prepare_data(corpus, max_train_tokens=2048, val_tokens=1024, vocab_size=512).val
+    windows = val[:1024].reshape(32, 32)
+    with torch.no_grad():
+        log_probs = F.log_softmax(model(input_ids=windows).logits[:, :-1].double(), dim=-1)
+    nll = -log_probs.gather(-1, windows[:, 1:, None]).mean().item()
+    assert final["val_loss"] == pytest.approx(nll, rel=1e-5)
+    assert len(tokenizer) == model.config.vocab_size
+
+
+def test_one_worker_with_plain_outer_step_equals_data_parallel(corpus, tmp_path):
+    """R = 1, mean, outer lr 1, no momentum: theta_new = theta_1, so DiLoCo must reproduce the
+    data-parallel loop (same tokens, same AdamW, same schedule; inner states persist)."""
+    shared = dict(workers=1, global_batch=2, tokens=4 * 2 * 2 * 32, inner_lr=3e-3)
+    diloco = tiny_config(corpus, tmp_path / "diloco", preset="diloco-sgd", outer_lr=1.0, **shared)
+    dp = tiny_config(corpus, tmp_path / "dp", preset="dp", weight_decay=0.1, **shared)
+    diloco_params = load_final(train(diloco, progress=False).out)
+    dp_params = load_final(train(dp, progress=False).out)
+    for name, param in dp_params.items():
+        torch.testing.assert_close(diloco_params[name], param, rtol=1e-5, atol=1e-6)
+    assert any((p != 0).any() for p in diloco_params.values())
+
+
+def load_final(out: Path) -> dict[str, torch.Tensor]:
+    model = LlamaForCausalLM.from_pretrained(out / "final")
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def test_muon_inner_optimizer_trains(corpus, tmp_path):
+    """Muon takes the 7 hidden matrices of each of the 2 layers; AdamW the rest."""
+    config = tiny_config(corpus, tmp_path, inner_optimizer="muon", tokens=2048)
+    model = build_model(model_config("micro", 512), seed=0)
+    adamw, muon = InnerOptimizer(model, config, total_steps=8).optimizers
+    in_muon = {id(p) for group in muon.param_groups for p in group["params"]}
+    muon_names = [name for name, p in model.named_parameters() if id(p) in in_muon]
+    assert len(muon_names) == 14 and all("_proj" in name for name in muon_names)
+    assert isinstance(adamw, torch.optim.AdamW) and isinstance(muon, torch.optim.Muon)
+    result = train(config, progress=False)
+    assert result.finished and 0 < result.val_loss < 10
+
+
+# -- resume ----------------------------------------------------------------------------------------
+def test_stop_then_resume_equals_uninterrupted_run(corpus, tmp_path, reference_run):
+    config = tiny_config(corpus, tmp_path, preset="isoloco", checkpoint_every=1, eval_every=2)
+    stopped = train(dataclasses.replace(config, stop_after=2), progress=False)
+    assert (stopped.finished, stopped.rounds) == (False, 2)
+    resumed = train(resolve_config(None, out=str(tmp_path), resume=True), progress=False)
+    assert resumed.checksum == reference_run.checksum
+    assert resumed.val_loss == reference_run.val_loss
+    losses = [e.get("train_loss") for e in read_metrics(tmp_path) if e["event"] == "round"]
+    reference = [e.get("train_loss") for e in read_metrics(reference_run.out)]
+    assert losses == [loss for loss in reference if loss is not None][:4]
+
+
+def test_sigint_stops_and_resume_continues_exactly(corpus, tmp_path, reference_run, monkeypatch):
+    """SIGINT during round 3: stop after the next inner step; resume from round 2's checkpoint."""
+    real_turn, calls = loop.worker_turn, []
+
+    def interrupted_turn(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2 * 4 + 2:  # third round, second worker
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_turn(*args, **kwargs)
+
+    config = tiny_config(corpus, tmp_path, preset="isoloco", checkpoint_every=1, eval_every=2)
+    monkeypatch.setattr(loop, "worker_turn", interrupted_turn)
+    with pytest.raises(TrainingInterrupted, match="round-000002"):
+        train(config, progress=False)
+    monkeypatch.setattr(loop, "worker_turn", real_turn)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    resumed = train(dataclasses.replace(config, resume=True), progress=False)
+    assert resumed.checksum == reference_run.checksum
+
+
+def test_resume_refuses_another_config(corpus, tmp_path, reference_run):
+    changed = tiny_config(corpus, reference_run.out, preset="isoloco", workers=2, resume=True)
+    with pytest.raises(ValueError, match=r"workers: 4 -> 2.*--allow-config-change"):
+        train(changed, progress=False)
+
+
+def test_existing_run_is_not_clobbered(corpus, reference_run):
+    with pytest.raises(ValueError, match="already holds a run"):
+        train(tiny_config(corpus, reference_run.out, preset="isoloco"), progress=False)
+
+
+def test_non_finite_loss_stops_naming_round_and_checkpoint(corpus, tmp_path, monkeypatch):
+    real_turn, calls = loop.worker_turn, []
+
+    def poisoned_turn(*args, **kwargs):
+        delta, loss = real_turn(*args, **kwargs)
+        calls.append(1)
+        return delta, float("nan") if len(calls) > 4 else loss
+
+    monkeypatch.setattr(loop, "worker_turn", poisoned_turn)
+    with pytest.raises(TrainingDiverged, match=r"round 2: train loss is nan.*round-000001"):
+        train(tiny_config(corpus, tmp_path, checkpoint_every=1), progress=False)
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "round-000001"
+
+
+# -- command line ----------------------------------------------------------------------------------
+def cli_app() -> typer.Typer:
+    app = typer.Typer()
+    app.command(name="train")(train_command)
+    return app
+
+
+TINY_FLAGS = [
+    "--model", "micro", "--workers", "4", "--inner-steps", "2", "--global-batch", "8",
+    "--seq-len", "32", "--tokens", "1024", "--vocab-size", "512", "--val-tokens", "1024",
+    "--device", "cpu",
+]  # fmt: skip
+
+
+def test_cli_help_lists_every_flag():
+    result = CliRunner().invoke(cli_app(), ["--help"], env={"COLUMNS": "200"})
+    for flag in (
+        "--preset", "--model", "--workers", "--inner-steps", "--global-batch", "--seq-len",
+        "--tokens", "--chinchilla", "--seed", "--data", "--out", "--checkpoint-every",
+        "--resume", "--timeout", "--allow-config-change", "--init", "--config", "--aggregator",
+        "--outer-lr", "--outer-momentum", "--no-nesterov", "--inner-lr", "--density",
+        "--common-fraction", "--spectral", "--inner-optimizer", "--eval-every", "--device",
+        "--quiet",
+    ):  # fmt: skip
+        assert flag in result.output, flag
+
+
+def test_docs_flags_exist_and_the_config_example_loads(tmp_path):
+    docs = (Path(__file__).parents[1] / "docs" / "training.md").read_text()
+    rows = [line for line in docs.splitlines() if line.startswith("| `--")]
+    flags = {flag for row in rows for flag in re.findall(r"--[a-z][a-z-]*", row.split("|")[1])}
+    help_text = CliRunner().invoke(cli_app(), ["--help"], env={"COLUMNS": "200"}).output
+    assert len(flags) > 40
+    for flag in flags:
+        assert flag in help_text, flag
+    example = tmp_path / "example.toml"
+    example.write_text(re.search(r"```toml\n(.*?)```", docs, re.DOTALL).group(1))
+    config = resolve_config(example)
+    assert (config.aggregator, config.workers, config.tokens) == ("ties", 16, 20_000_000)
+    assert config.aggregator_options == {"density": 0.5}
+
+
+def test_cli_runs_and_reports_errors_on_one_line(corpus, tmp_path):
+    runner = CliRunner()
+    args = [*TINY_FLAGS, "--data", corpus, "--out", str(tmp_path), "--preset", "ties"]
+    result = runner.invoke(cli_app(), [*args, "--density", "0.5", "--quiet"])
+    assert result.exit_code == 0, result.output
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["aggregator_options"] == {"density": 0.5} and saved["outer_lr"] == 0.7
+    result = runner.invoke(cli_app(), [*args, "--option", "gamma=0.1"])
+    assert result.exit_code == 2
+    assert "error: aggregator: method 'ties' does not take 'gamma'" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_cli_as_a_module_then_init_from_its_final_model(corpus, tmp_path):
+    """``python -m mergekit_loco.cli_train`` (torchrun's entry point), then fine-tune its
+    final folder with the dp preset: the init folder's tokenizer is used."""
+    env = {**os.environ, "MLOCO_CACHE": os.environ["MLOCO_CACHE"]}
+    command = [sys.executable, "-m", "mergekit_loco.cli_train", *TINY_FLAGS, "--data", corpus]
+    first = subprocess.run([*command, "--out", str(tmp_path / "a"), "--quiet"], env=env,
+                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert first.returncode == 0, first.stderr
+    assert (tmp_path / "a" / "final" / "model.safetensors").is_file()
+    config = tiny_config(corpus, tmp_path / "b", preset="dp", init=str(tmp_path / "a" / "final"))
+    result = train(config, progress=False)
+    tuned = load_final(result.out)
+    start = load_final(tmp_path / "a")
+    assert tuned.keys() == start.keys()
+    assert not torch.equal(tuned["lm_head.weight"], start["lm_head.weight"])
+    assert (
+        result.val_loss
+        < json.loads((tmp_path / "a" / "metrics.jsonl").read_text().splitlines()[-1])["val_loss"]
+    )
+
+
+def test_resume_from_a_corrupt_checkpoint_names_the_file(tmp_path, reference_run):
+    shutil.copytree(reference_run.out, tmp_path / "run")
+    latest = latest_checkpoint(tmp_path / "run")
+    data = bytearray((latest / "global.safetensors").read_bytes())
+    data[-1] ^= 0xFF
+    (latest / "global.safetensors").write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorrupt, match=r"global\.safetensors is corrupt"):
+        train(resolve_config(None, out=str(tmp_path / "run"), resume=True), progress=False)
