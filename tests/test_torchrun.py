@@ -61,7 +61,7 @@ def test_torchrun_equals_simulated(corpus, tmp_path, preset):
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
         "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-        "-m", "mergekit_loco.cli_train", *flags, f"--preset={preset}", f"--data={corpus}",
+        "-m", "mergekit_loco", "train", *flags, f"--preset={preset}", f"--data={corpus}",
         f"--out={tmp_path / 'torchrun'}", "--checkpoint-every=1", "--quiet", "--timeout=120",
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -16,11 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-import typer
 from transformers import AutoTokenizer, LlamaForCausalLM
 from typer.testing import CliRunner
 
-from mergekit_loco.cli_train import train_command
+from mergekit_loco.cli import app
 from mergekit_loco.train import loop
 from mergekit_loco.train.checkpoint import CheckpointCorrupt, latest_checkpoint
 from mergekit_loco.train.config import PRESETS, TrainConfig, resolve_config
@@ -275,12 +274,6 @@ def test_non_finite_loss_stops_naming_round_and_checkpoint(corpus, tmp_path, mon
 
 
 # -- command line ----------------------------------------------------------------------------------
-def cli_app() -> typer.Typer:
-    app = typer.Typer()
-    app.command(name="train")(train_command)
-    return app
-
-
 TINY_FLAGS = [
     "--model", "micro", "--workers", "4", "--inner-steps", "2", "--global-batch", "8",
     "--seq-len", "32", "--tokens", "1024", "--vocab-size", "512", "--val-tokens", "1024",
@@ -289,7 +282,7 @@ TINY_FLAGS = [
 
 
 def test_cli_help_lists_every_flag():
-    result = CliRunner().invoke(cli_app(), ["--help"], env={"COLUMNS": "200"})
+    result = CliRunner().invoke(app, ["train", "--help"], env={"COLUMNS": "200"})
     for flag in (
         "--preset", "--model", "--workers", "--inner-steps", "--global-batch", "--seq-len",
         "--tokens", "--chinchilla", "--seed", "--data", "--out", "--checkpoint-every",
@@ -305,7 +298,7 @@ def test_docs_flags_exist_and_the_config_example_loads(tmp_path):
     docs = (Path(__file__).parents[1] / "docs" / "training.md").read_text()
     rows = [line for line in docs.splitlines() if line.startswith("| `--")]
     flags = {flag for row in rows for flag in re.findall(r"--[a-z][a-z-]*", row.split("|")[1])}
-    help_text = CliRunner().invoke(cli_app(), ["--help"], env={"COLUMNS": "200"}).output
+    help_text = CliRunner().invoke(app, ["train", "--help"], env={"COLUMNS": "200"}).output
     assert len(flags) > 40
     for flag in flags:
         assert flag in help_text, flag
@@ -319,21 +312,21 @@ def test_docs_flags_exist_and_the_config_example_loads(tmp_path):
 def test_cli_runs_and_reports_errors_on_one_line(corpus, tmp_path):
     runner = CliRunner()
     args = [*TINY_FLAGS, "--data", corpus, "--out", str(tmp_path), "--preset", "ties"]
-    result = runner.invoke(cli_app(), [*args, "--density", "0.5", "--quiet"])
+    result = runner.invoke(app, ["train", *args, "--density", "0.5", "--quiet"])
     assert result.exit_code == 0, result.output
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["aggregator_options"] == {"density": 0.5} and saved["outer_lr"] == 0.7
-    result = runner.invoke(cli_app(), [*args, "--option", "gamma=0.1"])
+    result = runner.invoke(app, ["train", *args, "--option", "gamma=0.1"])
     assert result.exit_code == 2
     assert "error: aggregator: method 'ties' does not take 'gamma'" in result.output
     assert "Traceback" not in result.output
 
 
 def test_cli_as_a_module_then_init_from_its_final_model(corpus, tmp_path):
-    """``python -m mergekit_loco.cli_train`` (torchrun's entry point), then fine-tune its
+    """``python -m mergekit_loco train`` (torchrun's entry point), then fine-tune its
     final folder with the dp preset: the init folder's tokenizer is used."""
     env = {**os.environ, "MLOCO_CACHE": os.environ["MLOCO_CACHE"]}
-    command = [sys.executable, "-m", "mergekit_loco.cli_train", *TINY_FLAGS, "--data", corpus]
+    command = [sys.executable, "-m", "mergekit_loco", "train", *TINY_FLAGS, "--data", corpus]
     first = subprocess.run([*command, "--out", str(tmp_path / "a"), "--quiet"], env=env,
                            capture_output=True, text=True, timeout=300)  # fmt: skip
     assert first.returncode == 0, first.stderr

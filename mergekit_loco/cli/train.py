@@ -1,20 +1,17 @@
 """``mloco train``: flags -> :class:`TrainConfig` -> :func:`train`. Thin on purpose.
 
-Run it directly (or under torchrun) with ``python -m mergekit_loco.cli_train --workers 8 ...``
-or ``torchrun --nproc_per_node 2 -m mergekit_loco.cli_train --workers 8 ...``.
+Under torchrun: ``torchrun --nproc_per_node 2 -m mergekit_loco train --workers 8 ...``.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from mergekit_loco.cli import (
-    EXIT_BAD_INPUT,
+from mergekit_loco.cli.common import (
     EXIT_INTERRUPTED,
     Debug,
     Quiet,
@@ -197,20 +194,3 @@ def train_command(
         typer.echo(
             f"stopped after round {result.rounds}; continue with --resume --out {result.out}"
         )
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m mergekit_loco.cli_train``: the train command alone (torchrun's entry)."""
-    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-    app.command(name="train")(train_command)
-    args = sys.argv[1:] if argv is None else list(argv)
-    try:
-        exit_code = app(args=args, prog_name="mloco train", standalone_mode=False)
-    except typer.TyperException as error:
-        print_error(one_line(error.format_message()))
-        exit_code = getattr(error, "exit_code", EXIT_BAD_INPUT)
-    sys.exit(exit_code if isinstance(exit_code, int) else 0)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,18 +1,11 @@
-"""The ``mloco`` command line: thin wrappers that parse options and call the Python API.
-
-Every command is wrapped by :func:`user_errors`: a bad input becomes one ``error: ...`` line on
-stderr and exit code 2 (``--debug`` shows the traceback instead); Ctrl-C exits 130.
-"""
+"""``mloco merge`` and ``mloco methods``."""
 
 from __future__ import annotations
 
-import functools
 import re
-import sys
-from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
-from typing import Annotated, TypeVar
+from typing import Annotated
 
 import torch
 import typer
@@ -20,68 +13,15 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from mergekit_loco.cli.common import Debug, Quiet, format_bytes, parse_choice, user_errors
 from mergekit_loco.io import DEFAULT_MAX_SHARD_BYTES
 from mergekit_loco.merge import MergeSummary, merge_checkpoints
 from mergekit_loco.methods import METHODS, list_methods
 
-USER_ERRORS = (ValueError, KeyError, OSError)
-EXIT_BAD_INPUT = 2
-EXIT_INTERRUPTED = 130
 OUTPUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 COMPUTE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 SIZE_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-app = typer.Typer(
-    name="mloco",
-    help="Model merging and DiLoCo training on one task-vector abstraction.",
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-
-Debug = Annotated[bool, typer.Option("--debug", help="Show the traceback of an error.")]
-Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar, no summary.")]
-Command = TypeVar("Command", bound=Callable)
-
-
-def one_line(error: BaseException | str) -> str:
-    """The error as one line: KeyError without quotes, OSError as ``file: reason``."""
-    if isinstance(error, KeyError) and error.args:
-        message = str(error.args[0])
-    elif isinstance(error, OSError) and error.filename and error.strerror:
-        message = f"{error.filename}: {error.strerror}"
-    else:
-        message = str(error)
-    return " ".join(message.split()) or type(error).__name__
-
-
-def print_error(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
-
-
-def user_errors(command: Command) -> Command:
-    """Turn bad-input exceptions into ``error: <one line>`` and exit 2 (re-raise if ``debug``)."""
-
-    @functools.wraps(command)
-    def wrapper(*args, **kwargs):
-        try:
-            return command(*args, **kwargs)
-        except KeyboardInterrupt:
-            print_error("interrupted; nothing was written")
-            raise typer.Exit(EXIT_INTERRUPTED) from None
-        except USER_ERRORS as error:
-            if kwargs.get("debug"):
-                raise
-            print_error(one_line(error))
-            raise typer.Exit(EXIT_BAD_INPUT) from None
-
-    return wrapper
-
-
-def parse_choice(option: str, value: str, choices: dict[str, torch.dtype]) -> torch.dtype:
-    if value not in choices:
-        raise ValueError(f"{option} must be one of {', '.join(choices)}, not {value!r}")
-    return choices[value]
 
 
 def parse_size(value: str) -> int:
@@ -90,14 +30,6 @@ def parse_size(value: str) -> int:
     if not match or match.group(2).lower() not in SIZE_UNITS or float(match.group(1)) <= 0:
         raise ValueError(f"--shard-size: {value!r} is not a size like 5GB, 500MB or 2GiB")
     return int(float(match.group(1)) * SIZE_UNITS[match.group(2).lower()])
-
-
-def format_bytes(count: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if count < 1000:
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1000
-    return f"{count:.1f} TB"
 
 
 def print_summary(summary: MergeSummary) -> None:
@@ -112,7 +44,6 @@ def print_summary(summary: MergeSummary) -> None:
     Console().print(table)
 
 
-@app.command()
 @user_errors
 def merge(
     models: Annotated[
@@ -201,7 +132,6 @@ def method_math(method_class: type) -> str:
     return " ".join(paragraph.replace("``", "").split())
 
 
-@app.command()
 @user_errors
 def methods(debug: Debug = False) -> None:
     """List the merge methods with their parameters (defaults) and math."""
@@ -211,17 +141,3 @@ def methods(debug: Debug = False) -> None:
         console.print(f"[bold]{name}[/bold]{base_note}")
         console.print(escape(f"  parameters: {method_parameters(method_class)}"))
         console.print(escape(f"  {method_math(method_class)}"))
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Entry point of ``mloco``: usage errors become one ``error:`` line too (exit 2)."""
-    args = sys.argv[1:] if argv is None else list(argv)
-    try:
-        exit_code = app(args=args or ["--help"], prog_name="mloco", standalone_mode=False)
-    except typer.TyperException as error:  # click usage errors: missing option, bad value...
-        print_error(one_line(error.format_message()))
-        exit_code = getattr(error, "exit_code", EXIT_BAD_INPUT)
-    except typer.Abort:
-        print_error("interrupted; nothing was written")
-        exit_code = EXIT_INTERRUPTED
-    sys.exit(exit_code if isinstance(exit_code, int) else 0)

@@ -1,0 +1,71 @@
+"""What every ``mloco`` command shares: one-line errors, exit codes, common options.
+
+Every command is wrapped by :func:`user_errors`: a bad input becomes one ``error: ...`` line on
+stderr and exit code 2 (``--debug`` shows the traceback instead); Ctrl-C exits 130.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import Annotated, TypeVar
+
+import torch
+import typer
+
+USER_ERRORS = (ValueError, KeyError, OSError)
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
+
+Debug = Annotated[bool, typer.Option("--debug", help="Show the traceback of an error.")]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar, no summary.")]
+Command = TypeVar("Command", bound=Callable)
+
+
+def one_line(error: BaseException | str) -> str:
+    """The error as one line: KeyError without quotes, OSError as ``file: reason``."""
+    if isinstance(error, KeyError) and error.args:
+        message = str(error.args[0])
+    elif isinstance(error, OSError) and error.filename and error.strerror:
+        message = f"{error.filename}: {error.strerror}"
+    else:
+        message = str(error)
+    return " ".join(message.split()) or type(error).__name__
+
+
+def print_error(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+
+
+def user_errors(command: Command) -> Command:
+    """Turn bad-input exceptions into ``error: <one line>`` and exit 2 (re-raise if ``debug``)."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except KeyboardInterrupt:
+            print_error("interrupted; nothing was written")
+            raise typer.Exit(EXIT_INTERRUPTED) from None
+        except USER_ERRORS as error:
+            if kwargs.get("debug"):
+                raise
+            print_error(one_line(error))
+            raise typer.Exit(EXIT_BAD_INPUT) from None
+
+    return wrapper
+
+
+def parse_choice(option: str, value: str, choices: dict[str, torch.dtype]) -> torch.dtype:
+    if value not in choices:
+        raise ValueError(f"{option} must be one of {', '.join(choices)}, not {value!r}")
+    return choices[value]
+
+
+def format_bytes(count: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if count < 1000:
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1000
+    return f"{count:.1f} TB"
