@@ -11,6 +11,7 @@ import torch.distributed as dist
 from mergekit_loco.methods import MergeMethod, get_method
 from mergekit_loco.methods.base import is_matrix
 from mergekit_loco.task_vector import TaskVector
+from mergekit_loco.train.collectives import CommStats, last_comm_stats, merge_across_ranks
 
 
 def matrices_divided(delta: TaskVector, workers: int) -> TaskVector:
@@ -31,8 +32,10 @@ class OuterOptimizer:
     ``theta -= lr * update`` (torch SGD semantics, dampening 0). Computed in the dtype of
     ``params``, updated in place.
 
-    Under torch.distributed each rank passes only its own workers' deltas; ``total_workers``
-    (R) defaults to ``len(deltas) * world_size``.
+    Under torch.distributed each rank passes only its own workers' deltas (R =
+    ``len(deltas) * world_size``) and the merge runs over collectives
+    (:func:`~mergekit_loco.train.collectives.merge_across_ranks`, optionally with ``compression``
+    "bf16" or "int8" of what travels); ``last_comm_stats`` then holds its cost.
     """
 
     def __init__(
@@ -43,6 +46,7 @@ class OuterOptimizer:
         momentum: float = 0.0,
         nesterov: bool = False,
         process_group: dist.ProcessGroup | None = None,
+        compression: str | None = None,
         **aggregator_options,
     ):
         if lr <= 0:
@@ -62,6 +66,8 @@ class OuterOptimizer:
         self.momentum = momentum
         self.nesterov = nesterov
         self.process_group = process_group
+        self.compression = compression
+        self.last_comm_stats: CommStats | None = None
         self.steps_taken = 0
         self.momentum_buffers: dict[str, torch.Tensor] = {}
 
@@ -84,12 +90,14 @@ class OuterOptimizer:
         total_workers = len(deltas) * self._world_size()
         if self.method.aggregates_mean:
             deltas = [matrices_divided(delta, total_workers) for delta in deltas]
-        method = self._method_for_this_step()
-        if self._world_size() == 1:
-            return method.merge(deltas)
-        from mergekit_loco.train.collectives import merge_across_ranks
-
-        return merge_across_ranks(method, deltas, group=self.process_group)
+        merged = merge_across_ranks(
+            self._method_for_this_step(),
+            deltas,
+            group=self.process_group,
+            compression=self.compression,
+        )
+        self.last_comm_stats = last_comm_stats()
+        return merged
 
     # -- step ---------------------------------------------------------------------------------
     @torch.no_grad()
