@@ -52,22 +52,25 @@ def final_params(out: Path) -> dict[str, torch.Tensor]:
     return {name: p.detach() for name, p in model.named_parameters()}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("preset", ["diloco", "isoloco"])
-def test_torchrun_equals_simulated(corpus, tmp_path, preset):
-    """Mean (DiLoCo) and Iso-C (IsoLoCo), both with Nesterov momentum: each rank runs 2 of the
-    4 workers and passes only its own deltas to the OuterOptimizer."""
+def run_torchrun(out: Path, corpus: str, *extra: str) -> None:
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in FLAGS.items()]
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
         "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-        "-m", "mergekit_loco", "train", *flags, f"--preset={preset}", f"--data={corpus}",
-        f"--out={tmp_path / 'torchrun'}", "--checkpoint-every=1", "--quiet", "--timeout=120",
+        "-m", "mergekit_loco", "train", *flags, f"--data={corpus}", f"--out={out}",
+        "--quiet", "--timeout=120", *extra,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     launched = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400)
     assert launched.returncode == 0, launched.stderr[-3000:]
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["diloco", "isoloco"])
+def test_torchrun_equals_simulated(corpus, tmp_path, preset):
+    """Mean (DiLoCo) and Iso-C (IsoLoCo), both with Nesterov momentum: each rank runs 2 of the
+    4 workers and passes only its own deltas to the OuterOptimizer."""
+    run_torchrun(tmp_path / "torchrun", corpus, f"--preset={preset}", "--checkpoint-every=1")
     config = resolve_config(None, **FLAGS, preset=preset, data=corpus, out=str(tmp_path / "sim"))
     simulated = train(config, progress=False)
     distributed = final_params(tmp_path / "torchrun")
@@ -78,6 +81,12 @@ def test_torchrun_equals_simulated(corpus, tmp_path, preset):
     events = [json.loads(line) for line in (tmp_path / "torchrun" / "metrics.jsonl").open()]
     assert [e["event"] for e in events] == ["round"] * simulated.rounds + ["final"]
     assert events[-1]["val_loss"] == pytest.approx(simulated.val_loss, rel=1e-4)
+    # the outer step's collectives (P = 2 ranks, V = 2 workers each): one ring all-reduce of the
+    # float32 deltas, 2 (P-1)/P N 4 bytes per rank, against (P-1) V N 4 for gathering them all
+    model_bytes = 4 * sum(p.numel() for p in distributed.values())
+    assert events[0]["comm_plan"] == "all-reduce"
+    assert events[0]["comm_bytes_sent"] == model_bytes
+    assert events[0]["comm_bytes_naive"] == 2 * model_bytes
     latest = tmp_path / "torchrun" / "checkpoints" / "round-000003"
     manifest = json.loads((latest / "manifest.json").read_text())["files"]
     assert {f"worker-000{i}.pt" for i in range(4)} | {"rng-rank-0000.pt", "rng-rank-0001.pt"} <= (
@@ -90,3 +99,21 @@ def test_workers_must_split_evenly_over_processes(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="3 workers cannot be split evenly over 2 processes"):
         TorchrunWorkers(3, torch.device("cpu"), timeout=10)
+
+
+@pytest.mark.slow
+def test_torchrun_with_bf16_compression(corpus, tmp_path):
+    """--compression bf16 halves what the outer step sends and stays close to the exact run."""
+    run_torchrun(tmp_path / "bf16", corpus, "--preset=isoloco", "--compression=bf16")
+    config = resolve_config(None, **FLAGS, preset="isoloco", data=corpus, out=str(tmp_path / "sim"))
+    train(config, progress=False)
+    compressed = final_params(tmp_path / "bf16")
+    exact = final_params(tmp_path / "sim")
+    model_bytes = 4 * sum(p.numel() for p in exact.values())
+    event = json.loads((tmp_path / "bf16" / "metrics.jsonl").open().readline())
+    assert event["comm_bytes_sent"] < 0.55 * model_bytes  # 2-byte payloads (+ a few scalars)
+    changed = 0
+    for name, param in exact.items():
+        changed += not torch.equal(compressed[name], param)
+        assert torch.linalg.norm(compressed[name] - param) <= 1e-2 * torch.linalg.norm(param)
+    assert changed > 0  # the compression did act

@@ -22,8 +22,11 @@ from mergekit_loco.cli.common import (
 from mergekit_loco.methods import list_methods
 from mergekit_loco.train.config import PRESETS, resolve_config
 from mergekit_loco.train.loop import TrainingDiverged, TrainingInterrupted, train
+from mergekit_loco.train.workers import PeerLost
 
-EXIT_DIVERGED = 1
+#: The run failed while running (diverged, or a torchrun peer died or hung); the message names
+#: the last good checkpoint. Bad input is 2, an interruption 130.
+EXIT_RUN_FAILED = 1
 
 
 def parse_aggregator_options(pairs: list[str]) -> dict:
@@ -157,6 +160,10 @@ def train_command(
         float | None,
         typer.Option(help="Collective timeout in seconds under torchrun (default 1800)."),
     ] = None,
+    compression: Annotated[
+        str | None,
+        typer.Option(help="Compress what the outer step sends: bf16 or int8 (default: exact)."),
+    ] = None,
     device: Annotated[str | None, typer.Option(help="auto, cpu or cuda (default auto).")] = None,
     quiet: Quiet = False,
     debug: Debug = False,
@@ -176,7 +183,8 @@ def train_command(
         force=force or None, init=init, mode=mode, aggregator=aggregator, outer_lr=outer_lr,
         outer_momentum=outer_momentum, nesterov=nesterov, inner_lr=inner_lr,
         inner_optimizer=inner_optimizer, weight_decay=weight_decay, grad_clip=grad_clip,
-        warmup_fraction=warmup_fraction, timeout=timeout, device=device, quiet=quiet or None,
+        warmup_fraction=warmup_fraction, timeout=timeout, compression=compression, device=device,
+        quiet=quiet or None,
         aggregator_options=aggregator_options or None,
     )  # fmt: skip
     run_config = resolve_config(config, **flags)
@@ -185,11 +193,11 @@ def train_command(
     except TrainingInterrupted as stopped:
         print_error(one_line(stopped))
         raise typer.Exit(EXIT_INTERRUPTED) from None
-    except TrainingDiverged as diverged:
+    except (TrainingDiverged, PeerLost) as failure:
         if debug:
             raise
-        print_error(one_line(diverged))
-        raise typer.Exit(EXIT_DIVERGED) from None
+        print_error(one_line(failure))
+        raise typer.Exit(EXIT_RUN_FAILED) from None
     if not result.finished and not quiet:
         typer.echo(
             f"stopped after round {result.rounds}; continue with --resume --out {result.out}"

@@ -113,6 +113,8 @@ class TrainConfig:
     force: bool = False
     #: collective timeout in seconds (torchrun).
     timeout: float = 1800.0
+    #: what the outer step communicates: None (exact), "bf16" or "int8" (per-row scales).
+    compression: str | None = None
     device: str = "auto"
     quiet: bool = False
 
@@ -181,6 +183,8 @@ class TrainConfig:
             raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
         if not 0 <= self.warmup_fraction < 1:
             raise ValueError(f"warmup_fraction must lie in [0, 1), got {self.warmup_fraction}")
+        if self.compression not in (None, "bf16", "int8"):
+            raise ValueError(f"compression must be bf16 or int8, not {self.compression!r}")
         if self.mode == "diloco":
             self.check_outer()
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import shutil
 import signal
 import threading
@@ -40,9 +41,11 @@ from mergekit_loco.train.checkpoint import (
     save_checkpoint,
     write_text_atomically,
 )
+from mergekit_loco.train.collectives import modelled_comm_stats
 from mergekit_loco.train.config import TrainConfig
 from mergekit_loco.train.data import (
     BatchStream,
+    DataExhausted,
     PreparedData,
     evaluate_loss,
     load_or_train_tokenizer,
@@ -57,12 +60,26 @@ from mergekit_loco.train.model import (
     parameter_checksum,
 )
 from mergekit_loco.train.outer import OuterOptimizer
-from mergekit_loco.train.workers import InnerOptimizer, Worker, WorkerGroup, open_worker_group
+from mergekit_loco.train.workers import (
+    InnerOptimizer,
+    PeerLost,
+    Worker,
+    WorkerGroup,
+    open_worker_group,
+)
 
 METRICS = "metrics.jsonl"
 CONFIG = "config.json"
 FINAL = "final"
 EVAL_BATCH = 16
+#: A round whose global parameters end more than this many times larger (L2 norm) than they
+#: started has diverged: healthy rounds change the norm by under 20 % (every preset, measured).
+EXPLOSION_GROWTH = 1000.0
+#: Test hook (docs/reliability.md): ``MLOCO_FAULT_AT=RANK:ROUND:TURN:SIGNAL`` makes the process
+#: of rank RANK send itself SIGSIGNAL (KILL: dies, STOP: hangs, TERM, INT) before its TURN-th
+#: worker turn of round ROUND, or before the outer step for TURN = its workers + 1 (DiLoCo; all
+#: counted from 1).
+FAULT_ENV = "MLOCO_FAULT_AT"
 
 
 @dataclass
@@ -83,7 +100,8 @@ class TrainingInterrupted(RuntimeError):
 
 
 class TrainingDiverged(FloatingPointError):
-    """A non-finite train loss or pseudo-gradient; the message names the round."""
+    """A non-finite train loss or pseudo-gradient, or exploding global parameters; the message
+    names the round and the last good checkpoint."""
 
 
 # -- the loop -------------------------------------------------------------------------------------
@@ -93,7 +111,7 @@ def train(config: TrainConfig, progress: bool = True) -> TrainResult:
     started = time.perf_counter()
     out = Path(config.out)
     with open_worker_group(config) as group, StopSignals(enabled=not group.distributed) as stop:
-        resume_from = claim_output(out, config, group)
+        resume_from = check_output(out, config)
         device, H, R = group.device, config.inner_steps, config.workers
         torch.manual_seed(config.seed)
         tokenizer_path, tokenizer = main_process_first(group, lambda: find_tokenizer(config))
@@ -120,7 +138,9 @@ def train(config: TrainConfig, progress: bool = True) -> TrainResult:
         start_round = 0
         if resume_from is not None:
             start_round = restore(resume_from, group, theta, shared, workers, device)
+        check_data_left(workers, config, rounds - start_round)
         group.check_identical(parameter_checksum(theta), "global parameters")
+        claim_output(out, config, group)
         metrics = MetricsLog(out / METRICS, group.is_main, keep_until_round=start_round)
         if group.is_main:
             write_text_atomically(out / CONFIG, json.dumps(config.to_dict(), indent=2) + "\n")
@@ -141,7 +161,6 @@ def train(config: TrainConfig, progress: bool = True) -> TrainResult:
         display = ProgressDisplay(
             progress and not config.quiet and group.is_main, rounds, steps_per_round, start_round
         )
-        bytes_per_copy = sum(t.numel() * 4 for t in theta.values())
         outer_seconds_total = round_seconds_total = 0.0
         train_loss, completed = None, start_round
         try:
@@ -152,13 +171,16 @@ def train(config: TrainConfig, progress: bool = True) -> TrainResult:
                     raise TrainingInterrupted(f"after round {round_index}")
                 round_start = time.perf_counter()
                 display.begin_round(round_index)
+                norm_before = parameter_norm(theta)
                 if diloco:
                     deltas, loss_sum = [], 0.0
-                    for worker in workers:
+                    for turn, worker in enumerate(workers, start=1):
+                        fault_if_asked(group.rank, round_index + 1, turn)
                         delta, loss = worker_turn(model, theta, worker, config, display, stop)
                         deltas.append(delta)
                         loss_sum += loss
                     train_loss = group.sum([loss_sum])[0] / R
+                    fault_if_asked(group.rank, round_index + 1, len(workers) + 1)
                 else:
                     train_loss = dp_round(model, shared, workers, config, group, display, stop)
                 if not math.isfinite(train_loss):
@@ -169,11 +191,16 @@ def train(config: TrainConfig, progress: bool = True) -> TrainResult:
                         shared.step(deltas)
                     except FloatingPointError as error:
                         raise TrainingDiverged(f"round {round_index + 1}: {error}") from None
+                    except RuntimeError as error:  # collectives.py: a failed collective,
+                        if group.distributed and isinstance(error.__cause__, RuntimeError):
+                            raise PeerLost(str(error)) from error  # from the transport's error
+                        raise
                     del deltas
                 synchronize(device)
                 now = time.perf_counter()
                 outer_seconds_total += now - outer_start
                 round_seconds_total += now - round_start
+                check_not_exploded(norm_before, parameter_norm(theta), round_index + 1)
                 completed = round_index + 1
                 metrics.write(
                     event="round",
@@ -184,7 +211,7 @@ def train(config: TrainConfig, progress: bool = True) -> TrainResult:
                     round_seconds=now - round_start,
                     outer_step_seconds=now - outer_start,
                     tokens_per_second=config.tokens_per_round() / (now - round_start),
-                    comm_bytes_sent=bytes_per_copy if diloco else H * bytes_per_copy,
+                    **communication_metrics(shared if diloco else None, theta, config),
                 )
                 if config.eval_every and completed % config.eval_every == 0 and completed < rounds:
                     if group.is_main:
@@ -203,6 +230,11 @@ def train(config: TrainConfig, progress: bool = True) -> TrainResult:
             raise TrainingInterrupted(resume_message(str(interrupt), last_saved)) from None
         except TrainingDiverged as error:
             raise TrainingDiverged(f"{error}; stopping. {last_good_message(last_saved)}") from None
+        except PeerLost as error:
+            raise PeerLost(
+                f"round {round_index + 1}: {error}. {last_good_message(last_saved)} Restart every "
+                "process with --resume to continue from it."
+            ) from error
         finally:
             display.close()
 
@@ -320,9 +352,9 @@ def evaluate(model, theta, data: PreparedData, config: TrainConfig, device) -> f
 
 
 # -- setup ----------------------------------------------------------------------------------------
-def claim_output(out: Path, config: TrainConfig, group: WorkerGroup) -> Path | None:
+def check_output(out: Path, config: TrainConfig) -> Path | None:
     """The checkpoint to resume from (``resume``), else make sure ``out`` holds no other run
-    (``force`` deletes it). Refuses a resume whose run-defining config differs."""
+    (unless ``force``). Refuses a resume whose run-defining config differs. Writes nothing."""
     if config.resume:
         checkpoint = latest_checkpoint(out)
         if checkpoint is None:
@@ -334,19 +366,28 @@ def claim_output(out: Path, config: TrainConfig, group: WorkerGroup) -> Path | N
                 "pass the same options, or --allow-config-change to resume anyway"
             )
         return checkpoint
-    previous = [out / name for name in (METRICS, "checkpoints", FINAL) if (out / name).exists()]
+    previous = previous_run(out)
     if previous and not config.force:
         raise ValueError(
             f"{out} already holds a run ({', '.join(p.name for p in previous)}); pass --resume "
             "to continue it, --force to start over, or choose another --out"
         )
-    group.barrier()
+    return None
+
+
+def previous_run(out: Path) -> list[Path]:
+    return [out / name for name in (METRICS, "checkpoints", FINAL) if (out / name).exists()]
+
+
+def claim_output(out: Path, config: TrainConfig, group: WorkerGroup) -> None:
+    """Create ``out``; a fresh run deletes a previous run's files there (``force``). Called once
+    every check has passed, so a run that cannot start leaves ``out`` as it found it."""
     if group.is_main:
         out.mkdir(parents=True, exist_ok=True)
-        for path in previous:
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        if not config.resume:
+            for path in previous_run(out):
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
     group.barrier()
-    return None
 
 
 def main_process_first(group: WorkerGroup, load):
@@ -419,6 +460,31 @@ def load_data(config: TrainConfig, tokenizer_path: str | None, rounds: int) -> P
         ) from None
 
 
+def communication_metrics(
+    outer: OuterOptimizer | None, theta: dict[str, torch.Tensor], config: TrainConfig
+) -> dict:
+    """This rank's bytes and seconds of the round's communication (docs/distributed.md).
+
+    Under torchrun: what the outer step's collectives sent. Simulated: what each worker would
+    send as its own rank (P = R). dp: the H gradient all-reduces, ``2 (R-1)/R N`` bytes each.
+    """
+    if outer is None:
+        model_bytes = sum(t.numel() * t.element_size() for t in theta.values())
+        ring = 2 * (config.workers - 1) / config.workers * model_bytes
+        return {"comm_bytes_sent": int(config.inner_steps * ring), "comm_plan": "all-reduce"}
+    stats = outer.last_comm_stats
+    if stats is None or stats.plan == "local":
+        layout = [(name, tensor.shape, torch.float32) for name, tensor in theta.items()]
+        stats = modelled_comm_stats(outer.method, layout, config.workers, config.compression)
+    return {
+        "comm_bytes_sent": stats.bytes_sent,
+        "comm_bytes_naive": stats.bytes_naive,
+        "comm_seconds": stats.comm_seconds,
+        "spectral_seconds": stats.spectral_seconds,
+        "comm_plan": stats.plan,
+    }
+
+
 def make_outer_optimizer(config: TrainConfig, theta: dict[str, torch.Tensor]) -> OuterOptimizer:
     """The OuterOptimizer, after a shape-only dry run of the aggregator on R meta tensors
     (so that e.g. TSV with more workers than a matrix has rows fails before any compute)."""
@@ -431,6 +497,7 @@ def make_outer_optimizer(config: TrainConfig, theta: dict[str, torch.Tensor]) ->
         lr=config.outer_lr,
         momentum=config.outer_momentum,
         nesterov=config.nesterov,
+        compression=config.compression,
         **options,
     )
     shapes = TaskVector({n: torch.empty(t.shape, device="meta") for n, t in theta.items()})
@@ -477,6 +544,42 @@ def save_final(folder: Path, model: LlamaForCausalLM, tokenizer: PreTrainedToken
     if folder.exists():
         shutil.rmtree(folder)
     staging.rename(folder)
+
+
+def fault_if_asked(rank: int, round_number: int, turn: int) -> None:
+    """Send this process the signal :data:`FAULT_ENV` names for this rank, round and turn."""
+    where, _, name = os.environ.get(FAULT_ENV, "").rpartition(":")
+    if where == f"{rank}:{round_number}:{turn}":
+        os.kill(os.getpid(), signal.Signals[f"SIG{name}"])
+
+
+def parameter_norm(params: dict[str, torch.Tensor]) -> float:
+    """``sqrt(sum_n ||p_n||^2)``, accumulated in float64; inf or nan if any entry is."""
+    norms = [torch.linalg.vector_norm(t, dtype=torch.float64) for t in params.values()]
+    return torch.linalg.vector_norm(torch.stack(norms)).item()
+
+
+def check_not_exploded(norm_before: float, norm_after: float, round_number: int) -> None:
+    """Raise TrainingDiverged if the round left non-finite parameters or multiplied their norm
+    by more than :data:`EXPLOSION_GROWTH` (before any checkpoint of this round is written)."""
+    if not math.isfinite(norm_after) or norm_after > EXPLOSION_GROWTH * norm_before:
+        raise TrainingDiverged(
+            f"round {round_number}: the global parameters exploded (L2 norm {norm_before:.4g} -> "
+            f"{norm_after:.4g}, more than {EXPLOSION_GROWTH:g}x in one round); lower --inner-lr "
+            "or --outer-lr"
+        )
+
+
+def check_data_left(workers: list[Worker], config: TrainConfig, rounds_left: int) -> None:
+    """Every worker's shard must hold the tokens of the rounds still to run (before any step)."""
+    needed = rounds_left * config.inner_steps * config.worker_batch * config.seq_len
+    for worker in workers:
+        if worker.stream.tokens_left < needed:
+            raise DataExhausted(
+                f"worker {worker.index}'s data shard has {worker.stream.tokens_left:,} tokens left"
+                f", the {rounds_left} remaining rounds need {needed:,} (use more data, or resume "
+                "with the config the checkpoint was written with)"
+            )
 
 
 def resume_message(what: str, last_saved: tuple[int, Path | None]) -> str:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -118,6 +120,11 @@ class Worker:
     inner: InnerOptimizer | None = None
 
 
+class PeerLost(RuntimeError):
+    """A collective between the torchrun processes failed or timed out: another process died,
+    hung or is unreachable. The message names this rank, the collective and the wait."""
+
+
 class WorkerGroup:
     """The workers this process runs and the collectives that join it to the others.
 
@@ -184,49 +191,68 @@ class SimulatedWorkers(WorkerGroup):
 
 
 class TorchrunWorkers(WorkerGroup):
-    """R/P workers in each of the P processes torchrun started (gloo on CPU, NCCL on GPU)."""
+    """R/P workers in each of the P processes torchrun started (gloo on CPU, NCCL on GPU).
+
+    Every collective waits at most ``timeout`` seconds; a failure or a timeout (a peer that
+    died or hangs) raises :class:`PeerLost`."""
 
     def __init__(self, workers: int, device: torch.device, timeout: float):
         self.rank = int(os.environ["RANK"])
         self.world_size = int(os.environ["WORLD_SIZE"])
+        self.timeout = timeout
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
             torch.cuda.set_device(device)
         super().__init__(workers, device)
         if not dist.is_initialized():
-            dist.init_process_group(
+            self._collective(
+                "joining the process group",
+                dist.init_process_group,
                 backend="nccl" if device.type == "cuda" else "gloo",
                 timeout=datetime.timedelta(seconds=timeout),
                 device_id=device if device.type == "cuda" else None,
             )
 
+    def _collective(self, what: str, call: Callable, *args, **kwargs):
+        """``call(*args, **kwargs)``, its RuntimeError (gloo / NCCL) turned into PeerLost."""
+        start = time.perf_counter()
+        try:
+            return call(*args, **kwargs)
+        except RuntimeError as error:
+            cause = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            raise PeerLost(
+                f"rank {self.rank} of {self.world_size}: {what} failed after "
+                f"{time.perf_counter() - start:.1f} s; another process died, hung or is "
+                f"unreachable (collective timeout {self.timeout:g} s). Cause: {cause}"
+            ) from error
+
     def barrier(self) -> None:
-        dist.barrier()
+        self._collective("barrier", dist.barrier)
 
     def sum(self, values: list[float]) -> list[float]:
         tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(tensor)
+        self._collective("all-reduce", dist.all_reduce, tensor)
         return tensor.tolist()
 
     def broadcast(self, value):
         box = [value]
-        dist.broadcast_object_list(box, src=0)
+        self._collective("broadcast", dist.broadcast_object_list, box, src=0)
         return box[0]
 
     def gather(self, value) -> list:
         gathered = [None] * self.world_size
-        dist.all_gather_object(gathered, value)
+        self._collective("all-gather", dist.all_gather_object, gathered, value)
         return gathered
 
     def all_reduce_gradients(self, model: torch.nn.Module) -> None:
         for param in model.parameters():
             if param.grad is not None:
-                dist.all_reduce(param.grad)
+                self._collective("gradient all-reduce", dist.all_reduce, param.grad)
 
     def check_identical(self, checksum: str, what: str) -> None:
         digest = torch.tensor(list(bytes.fromhex(checksum)), dtype=torch.uint8, device=self.device)
         gathered = [torch.empty_like(digest) for _ in range(self.world_size)]
-        dist.all_gather(gathered, digest)
+        self._collective("all-gather", dist.all_gather, gathered, digest)
         digests = [bytes(t.tolist()).hex() for t in gathered]
         if len(set(digests)) > 1:
             listing = ", ".join(f"rank {r}: {d[:12]}" for r, d in enumerate(digests))

@@ -1,0 +1,536 @@
+"""Faults injected into real training runs, and what the user sees and keeps (docs/reliability.md).
+
+Dead and hung torchrun peers, signals, a checkpoint write killed half-way, corrupt checkpoints,
+divergence, a data shard that runs short, inconsistent configs and config changes on resume.
+Processes are real where the fault is about processes; ``MLOCO_FAULT_AT=RANK:ROUND:TURN:SIGNAL``
+(``train/loop.py``) makes a process signal itself at the same point of the run every time.
+Every run is the micro model, R = 4, H = 2, 8 x 32 tokens a step: 4 rounds of 512 tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mergekit_loco.cli import main
+from mergekit_loco.train import loop
+from mergekit_loco.train.checkpoint import CheckpointCorrupt, latest_checkpoint
+from mergekit_loco.train.config import resolve_config
+from mergekit_loco.train.data import DataExhausted
+from mergekit_loco.train.loop import FAULT_ENV, TrainingDiverged, TrainingInterrupted, train
+
+CORPUS_FILES = ("textwrap.py", "string.py", "json/decoder.py", "csv.py", "heapq.py", "shlex.py")
+TINY = dict(
+    model="micro", workers=4, inner_steps=2, global_batch=8, seq_len=32, tokens=2048,
+    vocab_size=512, val_tokens=1024, device="cpu",
+)  # fmt: skip
+TORCHRUN_TIMEOUT_S = 20
+HANG_TIMEOUT_S = 10
+#: wall-clock guard of every subprocess: past it the test fails instead of hanging
+PROCESS_GUARD_S = 120
+ONE_LINE_ERROR = re.compile(r"error: [^\n]+\n")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    """Six stdlib modules (37k tokens); MLOCO_CACHE in a temp dir; one thread everywhere."""
+    root = tmp_path_factory.mktemp("fault-data")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for name in CORPUS_FILES:
+        (root / "corpus" / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(stdlib / name, root / "corpus" / name)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLOCO_CACHE", str(root / "cache"))
+        patch.setenv("OMP_NUM_THREADS", "1")
+        patch.delenv(FAULT_ENV, raising=False)
+        yield str(root / "corpus")
+    torch.set_num_threads(threads)
+
+
+def tiny_config(corpus: str, out: Path, **overrides):
+    return resolve_config(None, **{**TINY, "data": corpus, "out": str(out), **overrides})
+
+
+def cli_flags(corpus: str, out: Path) -> list[str]:
+    flags = [f"--{key.replace('_', '-')}={value}" for key, value in TINY.items()]
+    return [*flags, f"--data={corpus}", f"--out={out}", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory):
+    """The uninterrupted run every recovered run must reproduce (DiLoCo: mean + Nesterov)."""
+    return train(tiny_config(corpus, tmp_path_factory.mktemp("reference")), progress=False)
+
+
+@pytest.fixture(scope="module")
+def stopped_run(corpus, tmp_path_factory) -> Path:
+    """The same run stopped after round 2, checkpoints after rounds 1 and 2 (copy before use)."""
+    out = tmp_path_factory.mktemp("stopped")
+    config = tiny_config(corpus, out, checkpoint_every=1, stop_after=2)
+    assert not train(config, progress=False).finished
+    return out
+
+
+def final_params(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(out / "final" / "model.safetensors")
+
+
+def rounds_logged(out: Path) -> list[int]:
+    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [event["round"] for event in events if event["event"] == "round"]
+
+
+def checkpoint_names(out: Path) -> list[str]:
+    return sorted(path.name for path in (out / "checkpoints").iterdir())
+
+
+# -- real processes ------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def alive_in_group(group_id: int) -> list[int]:
+    """Processes of the process group ``group_id`` still running (zombies do not count)."""
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _, group = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue  # exited while we looked
+        if int(group) == group_id and state != "Z":
+            alive.append(int(stat.parent.name))
+    return alive
+
+
+@dataclasses.dataclass
+class Finished:
+    returncode: int
+    stdout: str
+    stderr: str
+    ended: float  # time.time() when it exited
+    group_id: int
+
+
+def launch(command: list[str], fault: str | None = None, **env: str) -> subprocess.Popen:
+    """Start ``command`` in a new session (its own process group), with ``fault`` as the hook."""
+    environment = {**os.environ, **env}
+    environment.pop(FAULT_ENV, None)
+    if fault is not None:
+        environment[FAULT_ENV] = fault
+    return subprocess.Popen(
+        command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+
+
+def finish(process: subprocess.Popen) -> Finished:
+    """Wait for ``process`` (at most PROCESS_GUARD_S, else fail the test after killing it)."""
+    try:
+        stdout, stderr = process.communicate(timeout=PROCESS_GUARD_S)
+        ended = time.time()
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        pytest.fail(f"{process.args[:6]} hung past {PROCESS_GUARD_S} s:\n{stderr[-3000:]}")
+    return Finished(process.returncode, stdout, stderr, ended, process.pid)
+
+
+def kill_group(process: subprocess.Popen) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
+def run_cli(args: list[str], fault: str | None = None) -> Finished:
+    process = launch([sys.executable, "-m", "mergekit_loco", "train", *args], fault)
+    try:
+        return finish(process)
+    finally:
+        kill_group(process)
+
+
+# -- a dead or hung peer -------------------------------------------------------------------------
+@pytest.mark.slow
+def test_killed_torchrun_worker_fails_the_run_fast_and_resume_matches(corpus, tmp_path, reference):
+    """SIGKILL rank 1 before its second worker turn of round 3 (checkpoints after rounds 1, 2):
+    torchrun reports the dead worker and fails; every process is gone within --timeout of the
+    last checkpoint; ``--resume`` under torchrun ends where the uninterrupted run ends."""
+    out = tmp_path / "run"
+    torchrun = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+        "-m", "mergekit_loco", "train", f"--timeout={TORCHRUN_TIMEOUT_S}",
+    ]  # fmt: skip
+    process = launch([*torchrun, *cli_flags(corpus, out), "--checkpoint-every=1"], "1:3:2:KILL")
+    try:
+        killed = finish(process)
+        leftovers = alive_in_group(killed.group_id)
+    finally:
+        kill_group(process)
+    assert leftovers == [], f"processes left running: {leftovers}"
+    assert killed.returncode != 0
+    root_cause = killed.stderr.split("Root Cause", 1)[-1]
+    assert re.search(r"rank\s+: 1 .*\n\s+exitcode\s+: -9 .*SIGKILL", root_cause), killed.stderr
+    assert killed.stderr.count("Traceback") == 1  # torchrun's own ChildFailedError, no worker's
+    assert checkpoint_names(out) == ["latest", "round-000001", "round-000002"]
+    last_checkpoint = out / "checkpoints" / "round-000002"
+    assert killed.ended - last_checkpoint.stat().st_mtime < TORCHRUN_TIMEOUT_S
+    # the survivor either said why in one line, or torchrun stopped it first (SIGTERM)
+    survivor = re.search(r"error: round 3: rank 0 of 2: all-reduce failed after ([\d.]+) s;.*",
+                         killed.stderr)  # fmt: skip
+    if survivor:
+        assert float(survivor[1]) < TORCHRUN_TIMEOUT_S
+        assert survivor[0].endswith(
+            f"The last good checkpoint is {last_checkpoint} (after round 2). Restart every "
+            "process with --resume to continue from it."
+        )
+    else:
+        assert re.search(r"rank\s+: 0 .*\n\s+exitcode\s+: -15 ", killed.stderr), killed.stderr
+
+    process = launch([*torchrun, f"--out={out}", "--resume", "--quiet"])
+    try:
+        resumed = finish(process)
+    finally:
+        kill_group(process)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    expected = final_params(reference.out)
+    for name, tensor in final_params(out).items():  # torchrun = simulated up to float rounding
+        torch.testing.assert_close(tensor, expected[name], rtol=1e-5, atol=1e-6)
+    assert rounds_logged(out) == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_hung_peer_ends_the_other_within_the_timeout_in_one_line(corpus, tmp_path):
+    """Two processes started as two nodes would be (RANK / WORLD_SIZE, no torchrun agent to
+    clean up): rank 1 freezes (SIGSTOP) before the outer step of round 2. Rank 0 waits exactly
+    --timeout in the outer step's collective, then exits 1 with one line naming the last good
+    checkpoint."""
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "mergekit_loco", "train", *cli_flags(corpus, out),
+               "--checkpoint-every=1", f"--timeout={HANG_TIMEOUT_S}"]  # fmt: skip
+    nodes = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
+    processes = [
+        launch(command, "1:2:3:STOP", **nodes, RANK=str(rank), LOCAL_RANK=str(rank))
+        for rank in (0, 1)
+    ]
+    try:
+        survivor = finish(processes[0])
+    finally:
+        for process in processes:
+            kill_group(process)
+    assert survivor.returncode == 1, survivor.stderr[-3000:]
+    assert ONE_LINE_ERROR.fullmatch(survivor.stderr), survivor.stderr
+    waited = re.search(r"failed after ([\d.]+) ?s", survivor.stderr)
+    assert HANG_TIMEOUT_S - 0.5 < float(waited[1]) < HANG_TIMEOUT_S + 3
+    assert survivor.stderr.startswith("error: round 2: rank 0")
+    assert survivor.stderr.endswith(
+        f"The last good checkpoint is {out / 'checkpoints' / 'round-000001'} (after round 1). "
+        "Restart every process with --resume to continue from it.\n"
+    )
+    assert latest_checkpoint(out).name == "round-000001"
+
+
+# -- signals on a single-process run -------------------------------------------------------------
+def test_sigterm_mid_round_exits_130_naming_the_checkpoint_and_resume_is_exact(
+    corpus, tmp_path, reference
+):
+    out = tmp_path / "run"
+    stopped = run_cli([*cli_flags(corpus, out), "--checkpoint-every=1"], fault="0:3:2:TERM")
+    assert stopped.returncode == 130
+    assert stopped.stderr == (
+        "error: interrupted during a round; --resume continues from "
+        f"{out / 'checkpoints' / 'round-000002'} (after round 2)\n"
+    )
+    resumed = train(resolve_config(None, out=str(out), resume=True), progress=False)
+    assert resumed.checksum == reference.checksum
+    assert rounds_logged(out) == [1, 2, 3, 4]
+
+
+def test_signal_between_rounds_first_checkpoints_the_completed_round(
+    corpus, tmp_path, reference, monkeypatch
+):
+    """SIGTERM right after round 2's outer step, with no periodic checkpoints: the run writes
+    round 2's checkpoint before it stops, and resuming from it is exact."""
+    real_check = loop.check_not_exploded
+
+    def check_then_sigterm(norm_before: float, norm_after: float, round_number: int) -> None:
+        real_check(norm_before, norm_after, round_number)
+        if round_number == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(loop, "check_not_exploded", check_then_sigterm)
+    config = tiny_config(corpus, tmp_path)
+    with pytest.raises(TrainingInterrupted) as stopped:
+        train(config, progress=False)
+    assert str(stopped.value) == (
+        "interrupted after round 2; --resume continues from "
+        f"{tmp_path / 'checkpoints' / 'round-000002'} (after round 2)"
+    )
+    assert checkpoint_names(tmp_path) == ["latest", "round-000002"]
+    monkeypatch.setattr(loop, "check_not_exploded", real_check)
+    assert train(dataclasses.replace(config, resume=True), progress=False).checksum == (
+        reference.checksum
+    )
+
+
+def test_signal_before_any_checkpoint_says_resume_is_impossible(corpus, tmp_path, monkeypatch):
+    monkeypatch.setenv(FAULT_ENV, "0:1:2:INT")
+    config = tiny_config(corpus, tmp_path)
+    with pytest.raises(TrainingInterrupted) as stopped:
+        train(config, progress=False)
+    assert str(stopped.value) == (
+        "interrupted during a round; no checkpoint was written yet, so --resume is not possible"
+    )
+    monkeypatch.delenv(FAULT_ENV)
+    with pytest.raises(ValueError, match="nothing to resume: .* holds no checkpoint"):
+        train(dataclasses.replace(config, resume=True), progress=False)
+    assert train(config, progress=False).finished  # starting again needs no --force
+
+
+# -- checkpoints ---------------------------------------------------------------------------------
+KILLED_WHILE_SAVING = """
+import os, signal, sys
+from pathlib import Path
+from mergekit_loco.train import checkpoint
+from mergekit_loco.train.config import resolve_config
+from mergekit_loco.train.loop import train
+
+def save_half_then_die(tensors, path):  # round 2's global.safetensors: half written, SIGKILL
+    checkpoint_save_file(tensors, path)
+    if "round-000002" in str(path):
+        Path(path).write_bytes(Path(path).read_bytes()[: Path(path).stat().st_size // 2])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+checkpoint_save_file, checkpoint.save_file = checkpoint.save_file, save_half_then_die
+train(resolve_config(None, **__import__("json").loads(sys.argv[1])), progress=False)
+"""
+
+
+def test_checkpoint_write_killed_half_way_keeps_the_previous_one(corpus, tmp_path, reference):
+    config = {**TINY, "data": corpus, "out": str(tmp_path), "checkpoint_every": 1}
+    process = launch([sys.executable, "-c", KILLED_WHILE_SAVING, json.dumps(config)])
+    try:
+        killed = finish(process)
+    finally:
+        kill_group(process)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert latest_checkpoint(tmp_path).name == "round-000001"
+    (staging,) = (tmp_path / "checkpoints").glob("round-000002.tmp-*")
+    assert not (staging / "manifest.json").exists()
+    assert not (tmp_path / "checkpoints" / "round-000002").exists()
+
+    resumed = train(resolve_config(None, out=str(tmp_path), resume=True), progress=False)
+    assert resumed.checksum == reference.checksum
+    assert not staging.exists()  # the next save cleared what the crash left
+    assert rounds_logged(tmp_path) == [1, 2, 3, 4]
+
+
+def flip_middle_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ("flip round-000002/state.json", r"checkpoint file {ckpt}/state\.json is corrupt \(sha256 "
+         r"differs from manifest\.json\); delete this checkpoint folder to resume from the one "
+         r"before"),
+        ("flip round-000002/worker-0003.pt", r"checkpoint file {ckpt}/worker-0003\.pt is corrupt"),
+        ("cut round-000002/manifest.json", r"checkpoint {ckpt}: unreadable manifest\.json \(.+\)"),
+        ("delete round-000002/shared.pt", r"checkpoint file {ckpt}/shared\.pt is missing"),
+        ("point latest to round-000009",
+         r"{root}/latest points to round-000009, which does not exist"),
+    ],
+    ids=["state-flipped", "worker-file-flipped", "manifest-cut", "shared-deleted",
+         "latest-dangling"],
+)  # fmt: skip
+def test_damaged_checkpoint_is_named_in_one_line_exit_2(stopped_run, tmp_path, capsys, damage,
+                                                        message):  # fmt: skip
+    run = tmp_path / "run"
+    shutil.copytree(stopped_run, run)
+    action, target = damage.split(" ", 1)[0], damage.rsplit(" ", 1)[-1]
+    path = run / "checkpoints" / target
+    if action == "flip":
+        flip_middle_byte(path)
+    elif action == "cut":
+        path.write_text(path.read_text()[:40])
+    elif action == "delete":
+        path.unlink()
+    else:
+        (run / "checkpoints" / "latest").write_text(f"{target}\n")
+    metrics_before = (run / "metrics.jsonl").read_bytes()
+    with pytest.raises(SystemExit) as exited:
+        main(["train", "--out", str(run), "--resume", "--quiet"])
+    assert exited.value.code == 2
+    error = capsys.readouterr().err
+    root = run / "checkpoints"
+    expected = message.format(ckpt=re.escape(str(root / "round-000002")), root=re.escape(str(root)))
+    assert ONE_LINE_ERROR.fullmatch(error) and re.search(expected, error), error
+    assert (run / "metrics.jsonl").read_bytes() == metrics_before
+
+
+def test_corrupt_checkpoint_python_api_raises_checkpoint_corrupt(stopped_run, tmp_path):
+    shutil.copytree(stopped_run, tmp_path / "run")
+    flip_middle_byte(tmp_path / "run" / "checkpoints" / "round-000002" / "shared.pt")
+    with pytest.raises(CheckpointCorrupt, match=r"round-000002/shared\.pt is corrupt"):
+        train(resolve_config(None, out=str(tmp_path / "run"), resume=True), progress=False)
+
+
+# -- divergence ----------------------------------------------------------------------------------
+def scaled_turns(monkeypatch, round_number: int, scale: float) -> None:
+    """Multiply every worker delta of round ``round_number`` by ``scale`` (R = 4 turns a round)."""
+    real_turn, turns = loop.worker_turn, []
+
+    def turn(*args, **kwargs):
+        delta, loss = real_turn(*args, **kwargs)
+        turns.append(1)
+        return (delta * scale if (len(turns) - 1) // 4 + 1 == round_number else delta), loss
+
+    monkeypatch.setattr(loop, "worker_turn", turn)
+
+
+def test_exploding_pseudo_gradient_stops_before_its_round_is_saved(
+    corpus, tmp_path, reference, monkeypatch
+):
+    """Round 3's deltas x 1e6: the run stops at round 3; round 2's checkpoint is current and
+    good: resuming from it (without the fault) ends where the uninterrupted run ends."""
+    scaled_turns(monkeypatch, round_number=3, scale=1e6)
+    config = tiny_config(corpus, tmp_path, checkpoint_every=1)
+    with pytest.raises(TrainingDiverged) as diverged:
+        train(config, progress=False)
+    assert re.fullmatch(
+        r"round 3: the global parameters exploded \(L2 norm [\d.]+ -> [\d.e+]+, more than 1000x "
+        r"in one round\); lower --inner-lr or --outer-lr; stopping\. The last good checkpoint is "
+        rf"{re.escape(str(tmp_path / 'checkpoints' / 'round-000002'))} \(after round 2\)\.",
+        str(diverged.value),
+    )
+    assert latest_checkpoint(tmp_path).name == "round-000002"
+    assert rounds_logged(tmp_path) == [1, 2]
+    monkeypatch.undo()
+    assert train(dataclasses.replace(config, resume=True), progress=False).checksum == (
+        reference.checksum
+    )
+
+
+def test_non_finite_pseudo_gradient_keeps_the_last_checkpoint(corpus, tmp_path, monkeypatch):
+    scaled_turns(monkeypatch, round_number=2, scale=float("inf"))
+    with pytest.raises(TrainingDiverged, match=r"^round 2: .*non-finite.*round-000001"):
+        train(tiny_config(corpus, tmp_path, checkpoint_every=1), progress=False)
+    assert latest_checkpoint(tmp_path).name == "round-000001"
+
+
+def test_data_parallel_blow_up_stops_in_round_one_with_nothing_saved(corpus, tmp_path):
+    """No patch: AdamW at lr 1e6 (data-parallel) multiplies the norm by ~1e12 in one round."""
+    with pytest.raises(TrainingDiverged, match=r"^round 1: the global parameters exploded.*"
+                       r"No checkpoint was written before it\.$"):  # fmt: skip
+        train(tiny_config(corpus, tmp_path, preset="dp", inner_lr=1e6, checkpoint_every=1),
+              progress=False)  # fmt: skip
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_cli_divergence_exits_1_in_one_line(corpus, tmp_path):
+    diverged = run_cli([*cli_flags(corpus, tmp_path), "--inner-lr=1e6", "--checkpoint-every=1"])
+    assert diverged.returncode == 1
+    assert ONE_LINE_ERROR.fullmatch(diverged.stderr), diverged.stderr
+    assert diverged.stderr.startswith("error: round 1: the global parameters exploded")
+    assert diverged.stderr.endswith("No checkpoint was written before it.\n")
+
+
+# -- data and config -----------------------------------------------------------------------------
+def test_data_shard_that_runs_short_is_refused_before_any_step(corpus, tmp_path, monkeypatch):
+    real_shard = loop.worker_shard
+
+    def short_third_shard(tokens, worker, workers):
+        shard = real_shard(tokens, worker, workers)
+        return shard[:-40] if worker == 2 else shard
+
+    monkeypatch.setattr(loop, "worker_shard", short_third_shard)
+    with pytest.raises(DataExhausted, match="worker 2's data shard has 472 tokens left, the 4 "
+                       "remaining rounds need 512"):  # fmt: skip
+        train(tiny_config(corpus, tmp_path / "run"), progress=False)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--workers=3"], "global_batch 8 is not divisible by 3 workers"),
+        (["--workers=16"], "global_batch 8 is not divisible by 16 workers"),
+        (["--inner-steps=0"], "inner_steps must be >= 1, got 0"),
+        (["--tokens=100"], "token budget 100 is less than one round"),
+        (["--timeout=0"], "timeout must be > 0, got 0.0"),
+        (["--aggregator=tsv", "--workers=64", "--global-batch=64", "--tokens=4096"],
+         "tsv: tensor"),
+        (["--workers=1024", "--global-batch=1024", "--tokens=65536"],
+         "65,536 requested (the run needs 65,536 training tokens: 1 rounds"),
+    ],
+    ids=["batch-not-divisible-by-R", "R-above-batch", "H-zero", "budget-below-one-round",
+         "timeout-zero", "tsv-R-above-rank", "R-needs-more-data"],
+)  # fmt: skip
+def test_inconsistent_config_is_one_line_exit_2_before_any_compute(
+    corpus, tmp_path, capsys, flags, message
+):
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exited:
+        main(["train", *cli_flags(corpus, out), *flags])
+    assert exited.value.code == 2
+    error = capsys.readouterr().err
+    assert ONE_LINE_ERROR.fullmatch(error) and message in error, error
+    assert not out.exists()
+
+
+def test_force_keeps_the_previous_run_until_the_new_one_can_start(
+    corpus, stopped_run, tmp_path, capsys
+):
+    run = tmp_path / "run"
+    shutil.copytree(stopped_run, run)
+    before = {path: path.read_bytes() for path in run.rglob("*") if path.is_file()}
+    too_many_workers = ["--workers=1024", "--global-batch=1024", "--tokens=65536"]
+    with pytest.raises(SystemExit) as exited:
+        main(["train", *cli_flags(corpus, run), "--force", *too_many_workers])
+    assert exited.value.code == 2 and "65,536 requested" in capsys.readouterr().err
+    assert {path: path.read_bytes() for path in run.rglob("*") if path.is_file()} == before
+    assert train(tiny_config(corpus, run, force=True), progress=False).finished
+    assert checkpoint_names(run) == ["latest", "round-000004"]
+
+
+def test_resume_with_another_config_is_refused_saying_what_differs(stopped_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(stopped_run, run)
+    before = {name: (run / name).read_bytes() for name in ("config.json", "metrics.jsonl")}
+    refused = run_cli(["--out", str(run), "--resume", "--aggregator=iso-c", "--workers=2"])
+    assert refused.returncode == 2
+    assert refused.stderr == (
+        f"error: {run / 'checkpoints' / 'round-000002'} was written with another config "
+        "(aggregator: 'mean' -> 'iso-c'; workers: 4 -> 2); pass the same options, or "
+        "--allow-config-change to resume anyway\n"
+    )
+    assert {name: (run / name).read_bytes() for name in before} == before
+
+    allowed = resolve_config(None, out=str(run), resume=True, aggregator="iso-c",
+                             allow_config_change=True)  # fmt: skip
+    result = train(allowed, progress=False)
+    assert result.finished and rounds_logged(run) == [1, 2, 3, 4]
+    assert json.loads((run / "config.json").read_text())["aggregator"] == "iso-c"
