@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
@@ -48,10 +48,11 @@ class MergeMethod:
         return [f.name for f in fields(cls)]
 
 
-def sum_of(deltas: Sequence[torch.Tensor]) -> torch.Tensor:
+def sum_of(deltas: Iterable[torch.Tensor]) -> torch.Tensor:
     """``sum_t tau_t``, accumulated in place (one extra tensor, not a T-fold stack)."""
-    total = deltas[0].clone()
-    for delta in deltas[1:]:
+    remaining = iter(deltas)
+    total = next(remaining).clone()
+    for delta in remaining:
         total += delta
     return total
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -10,34 +10,47 @@ import torch
 from mergekit_loco.methods.base import MergeMethod, check_fraction, sum_of
 
 
-def keep_top_magnitude(delta: torch.Tensor, density: float) -> torch.Tensor:
-    """Zero all but the top ``density`` fraction of ``delta`` by magnitude.
-
-    Threshold = k-th smallest ``|x|`` with ``k = n - int(n * density)``; keep ``|x| >= threshold``
-    (ties at the threshold are all kept, as in the reference code).
-    """
+def trim_threshold(delta: torch.Tensor, density: float) -> torch.Tensor | None:
+    """The k-th smallest ``|x|`` with ``k = n - int(n * density)``; None when all is kept."""
     numel = delta.numel()
     k = numel - int(numel * density)
     if k == 0:
+        return None
+    return delta.abs().flatten().kthvalue(k).values
+
+
+def keep_above(delta: torch.Tensor, threshold: torch.Tensor | None) -> torch.Tensor:
+    """``x`` where ``|x| >= threshold`` (ties at the threshold are all kept, as in the reference
+    code), else 0."""
+    if threshold is None:
         return delta.clone()
-    magnitude = delta.abs()
-    threshold = magnitude.flatten().kthvalue(k).values
-    return delta * (magnitude >= threshold)
+    return torch.where(delta.abs() >= threshold, delta, 0)
 
 
-def elect_sign(trimmed: torch.Tensor) -> torch.Tensor:
+def keep_top_magnitude(delta: torch.Tensor, density: float) -> torch.Tensor:
+    """Zero all but the top ``density`` fraction of ``delta`` by magnitude (see
+    :func:`trim_threshold`)."""
+    return keep_above(delta, trim_threshold(delta, density))
+
+
+def elect_sign(trimmed_sum: torch.Tensor) -> torch.Tensor:
     """``sign(sum_t trimmed_t)``; zeros take the sign of the sum of the elected signs."""
-    elected = torch.sign(trimmed.sum(dim=0))
+    elected = torch.sign(trimmed_sum)
     majority = torch.sign(elected.sum())
     return torch.where(elected == 0, majority, elected)
 
 
-def agreeing_sum_and_count(trimmed: torch.Tensor, elected: torch.Tensor):
+def agreeing_sum_and_count(trimmed: Iterable[torch.Tensor], elected: torch.Tensor):
     """``(sum_t a_t, #{t: a_t != 0})`` with ``a_t`` = the entries of ``trimmed_t`` whose sign
-    agrees with ``elected`` (both are sums over t, so they add up across groups of tasks)."""
-    agrees = torch.where(elected > 0, trimmed > 0, trimmed < 0)
-    selected = trimmed * agrees
-    return selected.sum(dim=0), (selected != 0).sum(dim=0)
+    agrees with ``elected`` (both are sums over t, so they add up across groups of tasks).
+    Accumulated task by task; the count is int32."""
+    total = torch.zeros_like(elected)
+    count = torch.zeros_like(elected, dtype=torch.int32)
+    for task in trimmed:
+        agrees = torch.where(elected > 0, task > 0, task < 0)  # implies task != 0
+        total += torch.where(agrees, task, 0)
+        count += agrees
+    return total, count
 
 
 def divide_by_count(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
@@ -60,13 +73,11 @@ class Ties(MergeMethod):
         check_fraction(self.name, "density", self.density, low_open=True, high_open=False)
 
     def merge_tensor(self, name: str, deltas: Sequence[torch.Tensor]) -> torch.Tensor:
-        # Task by task rather than on a T-fold stack: peak memory ~ (2T + 3) tensors.
-        trimmed = [keep_top_magnitude(d, self.density) for d in deltas]
-        elected = elect_sign(sum_of(trimmed).unsqueeze(0))
-        agreeing_total = torch.zeros_like(trimmed[0])
-        agreeing_count = torch.zeros_like(trimmed[0], dtype=torch.long)
-        for task_trimmed in trimmed:
-            total, count = agreeing_sum_and_count(task_trimmed.unsqueeze(0), elected)
-            agreeing_total += total
-            agreeing_count += count
-        return divide_by_count(agreeing_total, agreeing_count)
+        # Thresholds first, trimmed tensors rebuilt on the fly: no T trimmed copies are held.
+        thresholds = [trim_threshold(delta, self.density) for delta in deltas]
+
+        def trimmed():
+            return (keep_above(d, t) for d, t in zip(deltas, thresholds, strict=True))
+
+        elected = elect_sign(sum_of(trimmed()))
+        return divide_by_count(*agreeing_sum_and_count(trimmed(), elected))

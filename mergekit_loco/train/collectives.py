@@ -489,7 +489,7 @@ def _ties_plan(ranks: _Ranks, method: Ties, local, names) -> list[torch.Tensor]:
     ]
     sums = ranks.all_reduce([block.sum(dim=0) for block in trimmed])
     partial = [
-        agreeing_sum_and_count(block, elect_sign(total.unsqueeze(0)))
+        agreeing_sum_and_count(block, elect_sign(total))
         for block, total in zip(trimmed, sums, strict=True)
     ]
     count_dtype = _count_dtype(workers)
