@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from common import llama_shapes, machine
 from safetensors.torch import save_file
 
 SHAPES = {
@@ -53,24 +53,6 @@ print(json.dumps({"merge_seconds": summary.seconds, "floor_bytes": floor}))
 """
 
 
-def llama_tensors(shape: dict) -> dict[str, tuple[int, ...]]:
-    """Tensor names and shapes of a LlamaForCausalLM with multi-head attention."""
-    hidden, inter = shape["hidden"], shape["intermediate"]
-    tensors = {"model.embed_tokens.weight": (shape["vocab"], hidden)}
-    for layer in range(shape["layers"]):
-        prefix = f"model.layers.{layer}"
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            tensors[f"{prefix}.self_attn.{proj}.weight"] = (hidden, hidden)
-        tensors[f"{prefix}.mlp.gate_proj.weight"] = (inter, hidden)
-        tensors[f"{prefix}.mlp.up_proj.weight"] = (inter, hidden)
-        tensors[f"{prefix}.mlp.down_proj.weight"] = (hidden, inter)
-        tensors[f"{prefix}.input_layernorm.weight"] = (hidden,)
-        tensors[f"{prefix}.post_attention_layernorm.weight"] = (hidden,)
-    tensors["model.norm.weight"] = (hidden,)
-    tensors["lm_head.weight"] = (shape["vocab"], hidden)
-    return tensors
-
-
 def llama_config(shape: dict) -> dict:
     return {
         "architectures": ["LlamaForCausalLM"],
@@ -90,10 +72,14 @@ def llama_config(shape: dict) -> dict:
     }
 
 
+def tensor_shapes(shape: dict) -> dict[str, tuple[int, ...]]:
+    return llama_shapes(shape["hidden"], shape["layers"], shape["intermediate"], shape["vocab"])
+
+
 def write_checkpoints(root: Path, shape: dict) -> tuple[Path, list[Path]]:
     """A random bf16 base and FINETUNES fine-tunes (base + N(0, DELTA_STD^2)), as HF folders."""
     generator = torch.Generator().manual_seed(0)
-    tensors = llama_tensors(shape)
+    tensors = tensor_shapes(shape)
     base = {n: (torch.randn(s, generator=generator) * 0.02).bfloat16() for n, s in tensors.items()}
     folders = [root / "base"] + [root / f"ft{i}" for i in range(1, FINETUNES + 1)]
     for index, folder in enumerate(folders):
@@ -166,14 +152,6 @@ def run_mergekit(binary, label, method, params, base, models, out, workdir) -> R
     return Result(label, "mergekit", seconds, peak)
 
 
-def machine() -> str:
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return (
-        f"{platform.platform()}, {platform.machine()}, {os.cpu_count()} CPUs, {memory:.0f} GiB RAM,"
-        f" Python {platform.python_version()}, torch {torch.__version__}"
-    )
-
-
 def print_tables(results, parameters, model_bytes, largest_bytes) -> None:
     megabyte = 2**20
     print(
@@ -230,7 +208,9 @@ def main() -> None:
     try:
         print(f"writing checkpoints to {workdir} ...", flush=True)
         base, models = write_checkpoints(workdir / "models", shape)
-        tensors = llama_tensors(shape)
+        tensors = llama_shapes(
+            shape["hidden"], shape["layers"], shape["intermediate"], shape["vocab"]
+        )
         parameters = sum(torch.Size(s).numel() for s in tensors.values())
         largest_bytes = max(torch.Size(s).numel() for s in tensors.values()) * 4
         model_bytes = (base / "model.safetensors").stat().st_size

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import tempfile
 import time
 from datetime import timedelta
@@ -29,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from common import llama_shapes, machine
 from rich.console import Console
 from rich.table import Table
 
@@ -48,23 +48,6 @@ METHODS = {  # label: (method, options)
     "iso-cts": ("iso-cts", {}),
 }
 COMPRESSED = ("mean", "iso-c", "tsv", "iso-cts")
-
-
-def llama_shapes(hidden: int, layers: int, ffn: int, vocab: int) -> dict[str, tuple[int, ...]]:
-    """Parameter shapes of a LlamaForCausalLM with untied embeddings (no GQA)."""
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
-    for layer in range(layers):
-        prefix = f"model.layers.{layer}"
-        for projection in ("q", "k", "v", "o"):
-            shapes[f"{prefix}.self_attn.{projection}_proj.weight"] = (hidden, hidden)
-        shapes[f"{prefix}.mlp.gate_proj.weight"] = (ffn, hidden)
-        shapes[f"{prefix}.mlp.up_proj.weight"] = (ffn, hidden)
-        shapes[f"{prefix}.mlp.down_proj.weight"] = (hidden, ffn)
-        shapes[f"{prefix}.input_layernorm.weight"] = (hidden,)
-        shapes[f"{prefix}.post_attention_layernorm.weight"] = (hidden,)
-    shapes["model.norm.weight"] = (hidden,)
-    shapes["lm_head.weight"] = (vocab, hidden)
-    return shapes
 
 
 def worker_delta(shapes, worker: int) -> TaskVector:
@@ -147,15 +130,6 @@ def run_world(world: int, args: argparse.Namespace) -> list[list[dict]]:
         settings = {key: getattr(args, key) for key in keys}
         mp.spawn(rank_main, args=(world, f"{folder}/store", settings, str(report)), nprocs=world)
         return json.loads(report.read_text())
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    load = ", ".join(f"{value:.1f}" for value in os.getloadavg())
-    return (
-        f"{platform.system()} {cpu}, {os.cpu_count()} cores (load {load}), torch "
-        f"{torch.__version__}, gloo on one machine"
-    )
 
 
 def main() -> None:

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import tempfile
 import time
 import types
 from pathlib import Path
 
 import torch
+from common import machine
 from rich.console import Console
 from rich.table import Table
 
@@ -93,15 +92,6 @@ def diloco_run(config) -> tuple[float, float, float]:
     outer_seconds = sum(event["outer_step_seconds"] for event in rounds)
     tokens = len(rounds) * config.tokens_per_round()
     return tokens / round_seconds, outer_seconds / round_seconds, outer_seconds / len(rounds)
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    return (
-        f"{platform.system()} {cpu}, {os.cpu_count()} cores (load {load}), torch "
-        f"{torch.__version__}, {torch.get_num_threads()} threads"
-    )
 
 
 def main() -> None:

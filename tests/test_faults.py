@@ -18,12 +18,13 @@ import signal
 import socket
 import subprocess
 import sys
-import sysconfig
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import stdlib_corpus
 from safetensors.torch import load_file
 
 from mergekit_loco.cli import main
@@ -46,21 +47,12 @@ ONE_LINE_ERROR = re.compile(r"error: [^\n]+\n")
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    """Six stdlib modules (37k tokens); MLOCO_CACHE in a temp dir; one thread everywhere."""
-    root = tmp_path_factory.mktemp("fault-data")
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    for name in CORPUS_FILES:
-        (root / "corpus" / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(stdlib / name, root / "corpus" / name)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def corpus(tmp_path_factory) -> Iterator[str]:
+    """Six stdlib modules (37k tokens), no fault hook armed."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MLOCO_CACHE", str(root / "cache"))
-        patch.setenv("OMP_NUM_THREADS", "1")
         patch.delenv(FAULT_ENV, raising=False)
-        yield str(root / "corpus")
-    torch.set_num_threads(threads)
+        with stdlib_corpus(tmp_path_factory.mktemp("corpus"), CORPUS_FILES) as corpus:
+            yield corpus
 
 
 def tiny_config(corpus: str, out: Path, **overrides):

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
-import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import stdlib_corpus
 from transformers import LlamaForCausalLM
 
 from mergekit_loco.train.config import resolve_config
@@ -27,18 +27,9 @@ FLAGS = {
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    root = tmp_path_factory.mktemp("torchrun-data")
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    for name in CORPUS_FILES:
-        (root / "corpus" / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(stdlib / name, root / "corpus" / name)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as torchrun's processes; tiny models, shared cores
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MLOCO_CACHE", str(root / "cache"))
-        yield str(root / "corpus")
-    torch.set_num_threads(threads)
+def corpus(tmp_path_factory) -> Iterator[str]:
+    with stdlib_corpus(tmp_path_factory.mktemp("corpus"), CORPUS_FILES) as corpus:
+        yield corpus
 
 
 def free_port() -> int:

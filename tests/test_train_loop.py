@@ -10,12 +10,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import stdlib_corpus
 from transformers import AutoTokenizer, LlamaForCausalLM
 from typer.testing import CliRunner
 
@@ -41,23 +42,9 @@ TINY = dict(
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    """A folder of a few stdlib modules; MLOCO_CACHE in a temp dir for the whole module.
-
-    Torch runs single-threaded here: these models are tiny, and on a shared 2-core machine
-    OpenMP threads waiting for each other made a step up to 30x slower."""
-    root = tmp_path_factory.mktemp("train-data")
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    for name in CORPUS_FILES:
-        (root / "corpus" / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(stdlib / name, root / "corpus" / name)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MLOCO_CACHE", str(root / "cache"))
-        patch.setenv("OMP_NUM_THREADS", "1")
-        yield str(root / "corpus")
-    torch.set_num_threads(threads)
+def corpus(tmp_path_factory) -> Iterator[str]:
+    with stdlib_corpus(tmp_path_factory.mktemp("corpus"), CORPUS_FILES) as corpus:
+        yield corpus
 
 
 def tiny_config(corpus: str, out: Path, **overrides) -> TrainConfig:
