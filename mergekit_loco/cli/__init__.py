@@ -16,6 +16,7 @@ from mergekit_loco.cli.common import (
     print_error,
     user_errors,
 )
+from mergekit_loco.cli.compare import compare_command, eval_command, report_command
 from mergekit_loco.cli.merge import merge, methods
 from mergekit_loco.cli.train import train_command
 
@@ -29,6 +30,9 @@ app = typer.Typer(
 app.command()(merge)
 app.command()(methods)
 app.command(name="train")(train_command)
+app.command(name="compare")(compare_command)
+app.command(name="report")(report_command)
+app.command(name="eval")(eval_command)
 
 __all__ = [
     "EXIT_BAD_INPUT",

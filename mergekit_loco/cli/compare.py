@@ -1,0 +1,209 @@
+"""``mloco compare``, ``mloco report`` and ``mloco eval``: flags -> the Python API (thin)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from mergekit_loco.cli.common import (
+    EXIT_INTERRUPTED,
+    Debug,
+    Quiet,
+    print_error,
+    user_errors,
+)
+from mergekit_loco.methods import list_methods
+from mergekit_loco.train.loop import TrainingInterrupted
+
+MODES = ("aggregators", "merge")
+DEFAULT_AGGREGATORS = "diloco,isoloco,isoloco-ns,ties,tsv,iso-cts"
+DEFAULT_MERGE_METHODS = "mean,ta,ties,dare,tsv,iso-c,iso-cts"
+
+
+def split_list(option: str, text: str | None, kind: type = str) -> list:
+    """``"1,2,4"`` -> ``[1, 2, 4]``; names the option when a value does not parse."""
+    if text is None:
+        return []
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    try:
+        return [kind(item) for item in items]
+    except ValueError:
+        raise ValueError(
+            f"{option}: {text!r} is not a comma-separated list of {kind.__name__}"
+        ) from None
+
+
+@user_errors
+def compare_command(
+    output: Annotated[Path, typer.Option("--output", "-o", help="Results folder.")],
+    mode: Annotated[
+        str, typer.Option(help="aggregators: DiLoCo sweep; merge: one-shot merges of fine-tunes.")
+    ] = "aggregators",
+    aggregators: Annotated[
+        str, typer.Option(help="Training presets to sweep, comma-separated.")
+    ] = DEFAULT_AGGREGATORS,
+    workers: Annotated[str, typer.Option(help="Worker counts R, comma-separated.")] = "1,2,4,8",
+    inner_steps: Annotated[str, typer.Option(help="Inner steps H, comma-separated.")] = "30",
+    seeds: Annotated[int, typer.Option(help="Seeds per cell (0..N-1).")] = 1,
+    outer_lr_grid: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Outer lrs to try: multipliers of each preset's lr (0.5,1,2), or absolute "
+            "values for one aggregator (isoloco=1.2,1.8,2.4); repeatable."
+        ),
+    ] = None,
+    baseline: Annotated[
+        bool, typer.Option("--baseline/--no-baseline", help="Run the data-parallel baseline.")
+    ] = True,
+    model: Annotated[str | None, typer.Option(help="Model preset (default nano).")] = None,
+    tokens: Annotated[
+        int | None, typer.Option(help="Token budget of every cell (default 2000000).")
+    ] = None,
+    global_batch: Annotated[
+        int | None, typer.Option(help="Sequences per inner step over all workers (default 64).")
+    ] = None,
+    seq_len: Annotated[int | None, typer.Option(help="Tokens per sequence (default 128).")] = None,
+    data: Annotated[
+        str | None,
+        typer.Option(
+            help="aggregators: the training data spec (default stdlib). merge: one domain per "
+            "fine-tune, comma-separated, in --finetuned order."
+        ),
+    ] = None,
+    vocab_size: Annotated[
+        int | None, typer.Option(help="Vocabulary of the BPE trained on the data (default 4096).")
+    ] = None,
+    val_tokens: Annotated[
+        int | None, typer.Option(help="Held-out tokens of each validation (default 65536).")
+    ] = None,
+    eval_every: Annotated[
+        int | None, typer.Option(help="Validation every N rounds (default: about 8 per run).")
+    ] = None,
+    jobs: Annotated[int, typer.Option(help="Cells trained at once, one process each.")] = 1,
+    base: Annotated[Path | None, typer.Option(help="merge: the pre-trained checkpoint.")] = None,
+    finetuned: Annotated[
+        str | None, typer.Option(help="merge: fine-tuned checkpoints, comma-separated.")
+    ] = None,
+    methods: Annotated[
+        str, typer.Option(help=f"merge: methods, comma-separated ({', '.join(list_methods())}).")
+    ] = DEFAULT_MERGE_METHODS,
+    scales: Annotated[
+        str, typer.Option(help="merge: scales tried per method, comma-separated.")
+    ] = "0.3,0.5,1.0,1.5",
+    eval_tokens: Annotated[
+        int, typer.Option(help="merge: held-out tokens per domain (half choose the scale).")
+    ] = 32768,
+    tokenizer: Annotated[
+        str | None, typer.Option(help="merge: tokenizer folder (default: the base's).")
+    ] = None,
+    seed: Annotated[
+        int, typer.Option(help="merge: the fine-tunes' seed (it chose their held-out split).")
+    ] = 0,
+    force: Annotated[
+        bool, typer.Option("--force", help="merge: redo merges that already exist.")
+    ] = False,
+    figures: Annotated[bool, typer.Option("--figures/--no-figures", help="Draw PNGs.")] = True,
+    quiet: Quiet = False,
+    debug: Debug = False,
+) -> None:
+    """Which aggregator for my R and H (a FLOP-matched sweep), or which merge method (merge)."""
+    from mergekit_loco import compare
+
+    console = Console(quiet=quiet)
+    if mode not in MODES:
+        raise ValueError(f"--mode must be one of {', '.join(MODES)}, not {mode!r}")
+    if mode == "merge":
+        if base is None or finetuned is None or data is None:
+            raise ValueError("--mode merge needs --base, --finetuned and --data")
+        compare.compare_merges(
+            base=base,
+            finetuned=split_list("--finetuned", finetuned),
+            data=split_list("--data", data),
+            methods=split_list("--methods", methods),
+            scales=split_list("--scales", scales, float),
+            out=output,
+            eval_tokens=eval_tokens,
+            seq_len=seq_len,
+            tokenizer=tokenizer,
+            seed=seed,
+            force=force,
+            console=console,
+            figures=figures,
+        )
+        return
+    given = {"model": model, "tokens": tokens, "global_batch": global_batch, "seq_len": seq_len,
+             "data": data, "vocab_size": vocab_size, "val_tokens": val_tokens,
+             "eval_every": eval_every}  # fmt: skip
+    sweep = compare.Sweep(
+        aggregators=split_list("--aggregators", aggregators),
+        workers=split_list("--workers", workers, int),
+        inner_steps=split_list("--inner-steps", inner_steps, int),
+        seeds=tuple(range(seeds)),
+        outer_lr_grid=compare.OuterLrGrid.parse(outer_lr_grid or []),
+        baseline=baseline,
+        shared={key: value for key, value in given.items() if value is not None},
+    )
+    try:
+        compare.run_sweep(
+            sweep, output, jobs=jobs, console=console, progress=not quiet, figures=figures
+        )
+    except (KeyboardInterrupt, TrainingInterrupted):
+        print_error("interrupted; finished cells are kept: run the same command to resume")
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+
+
+@user_errors
+def report_command(
+    results: Annotated[
+        list[Path], typer.Argument(help="Folders written by mloco compare (merge mode: several).")
+    ],
+    output: Annotated[
+        Path | None,
+        typer.Option("--output", "-o", help="Where a combination of merge folders goes."),
+    ] = None,
+    figures: Annotated[bool, typer.Option("--figures/--no-figures", help="Draw PNGs.")] = True,
+    debug: Debug = False,
+) -> None:
+    """Re-render tables and figures from saved results (no training); several merge-mode folders
+    (e.g. one per fine-tune seed) are combined into mean ± std."""
+    from mergekit_loco import report
+
+    report.render(results, output, console=Console(), figures=figures)
+
+
+@user_errors
+def eval_command(
+    models: Annotated[
+        list[Path], typer.Argument(help="Checkpoints: HF folders or .safetensors files.")
+    ],
+    data: Annotated[str, typer.Option(help="Data specs, comma-separated (stdlib, pydoc, paths).")],
+    tokens: Annotated[int, typer.Option(help="Held-out tokens per dataset.")] = 65536,
+    seq_len: Annotated[int, typer.Option(help="Tokens per evaluated window.")] = 128,
+    tokenizer: Annotated[
+        str | None, typer.Option(help="Tokenizer folder (default: each model's own).")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the held-out split (as in training).")] = 0,
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+    debug: Debug = False,
+) -> None:
+    """Token-weighted validation loss and perplexity of each model on each dataset."""
+    from mergekit_loco import evaluate
+
+    results = evaluate.evaluate_models(
+        models,
+        split_list("--data", data),
+        tokens=tokens,
+        seq_len=seq_len,
+        tokenizer=tokenizer,
+        seed=seed,
+        device=device,
+    )
+    if as_json:
+        print(json.dumps([result.record() for result in results], indent=2))
+    else:
+        Console().print(evaluate.results_table(results))

@@ -1,0 +1,169 @@
+"""Held-out loss of checkpoints: token-weighted NLL (nats per predicted token) and perplexity.
+
+The held-out tokens are those training holds out (:func:`mergekit_loco.train.data.prepare_data`):
+the first documents of the data in ``sha256(seed, name)`` order, cut at ``tokens``. With
+``tokens`` at most the training run's ``val_tokens`` and the run's ``seed``, no evaluated token
+was trained on. ``loss = sum_t -log p(x_t+1 | x_<=t) / predicted tokens`` over windows of
+``seq_len`` tokens (``seq_len - 1`` predictions each; a trailing partial window is dropped).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rich.table import Table
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from mergekit_loco.io import open_checkpoint
+from mergekit_loco.train.data import evaluate_loss, prepare_data
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """The loss of ``model`` on the held-out ``tokens`` predictions of ``data``."""
+
+    model: str
+    data: str
+    tokens: int
+    loss: float
+
+    @property
+    def perplexity(self) -> float:
+        """``exp(loss)``."""
+        return math.exp(self.loss)
+
+    def record(self) -> dict:
+        return {"model": self.model, "data": self.data, "tokens": self.tokens,
+                "loss": self.loss, "perplexity": self.perplexity}  # fmt: skip
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu") -> PreTrainedModel:
+    """A causal LM from a Hugging Face folder or a ``.safetensors`` file with ``config.json``
+    beside it (sharded folders too), in float32, in eval mode."""
+    with open_checkpoint(path) as reader:
+        config_file = reader.config_dir / "config.json"
+        if not config_file.is_file():
+            raise ValueError(f"{path}: no config.json beside the weights ({reader.config_dir})")
+        config = AutoConfig.from_pretrained(reader.config_dir, local_files_only=True)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        weights = {name: reader.get(name) for name in reader.names()}
+    result = model.load_state_dict(weights, strict=False)
+    tied = (
+        set(getattr(model, "_tied_weights_keys", None) or ())
+        if config.tie_word_embeddings
+        else set()
+    )
+    missing = [name for name in result.missing_keys if name not in tied]
+    if missing or result.unexpected_keys:
+        problem, verb = (
+            (missing[0], "missing") if missing else (result.unexpected_keys[0], "unexpected")
+        )
+        raise ValueError(f"{path}: tensor {problem!r} is {verb} for a {config.model_type} model")
+    if tied:
+        model.tie_weights()
+    return model.to(device=device, dtype=torch.float32).eval()
+
+
+def tokenizer_folder(model: str | Path, tokenizer: str | Path | None = None) -> Path:
+    """``tokenizer`` if given, else the folder of ``model``'s config, which must hold one."""
+    if tokenizer is not None:
+        return Path(tokenizer)
+    with open_checkpoint(model) as reader:
+        folder = reader.config_dir
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"{model}: no tokenizer in {folder}; pass --tokenizer")
+    return folder
+
+
+def held_out_tokens(data: str, tokenizer: str | Path, tokens: int, seed: int = 0) -> torch.Tensor:
+    """The first ``tokens`` held-out token ids of ``data`` (1-D int64), as training splits it."""
+    fingerprint = _file_digest(Path(tokenizer) / "tokenizer.json")
+    return _held_out(data, str(tokenizer), fingerprint, tokens, seed)
+
+
+@functools.lru_cache(maxsize=32)
+def _held_out(data: str, tokenizer: str, fingerprint: str, tokens: int, seed: int) -> torch.Tensor:
+    """Cached by tokenizer content, so copies of one tokenizer (merge outputs) tokenize once."""
+    prepared = prepare_data(
+        data, tokenizer=tokenizer, max_train_tokens=1, val_tokens=tokens, seed=seed
+    )
+    return prepared.val
+
+
+def _file_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else str(path)
+
+
+def predicted_tokens(tokens: int, seq_len: int) -> int:
+    """Predictions in ``tokens`` held-out tokens: ``(tokens // seq_len) * (seq_len - 1)``."""
+    return (tokens // seq_len) * (seq_len - 1)
+
+
+def loss_on(
+    model: PreTrainedModel,
+    tokens: torch.Tensor,
+    seq_len: int,
+    batch_size: int = 16,
+    device: str | torch.device = "cpu",
+) -> float:
+    """Token-weighted mean NLL of ``model`` on the 1-D token ids ``tokens``."""
+    return evaluate_loss(model, tokens, seq_len, batch_size, None, device)
+
+
+def evaluate_models(
+    models: Sequence[str | Path],
+    datasets: Sequence[str],
+    tokens: int = 65536,
+    seq_len: int = 128,
+    tokenizer: str | Path | None = None,
+    seed: int = 0,
+    batch_size: int = 16,
+    device: str | torch.device = "cpu",
+) -> list[Evaluation]:
+    """The held-out loss of every model on every dataset (model-major order)."""
+    if not models or not datasets:
+        raise ValueError("give at least one model and one dataset")
+    if seq_len < 2:
+        raise ValueError(f"--seq-len must be >= 2, got {seq_len}")
+    results = []
+    for path in models:
+        folder = tokenizer_folder(path, tokenizer)
+        model = load_model(path, device)
+        for data in datasets:
+            ids = held_out_tokens(data, folder, tokens, seed)
+            if ids.numel() < seq_len:
+                raise ValueError(f"{data}: {ids.numel()} held-out tokens, fewer than --seq-len")
+            loss = loss_on(model, ids, seq_len, batch_size, device)
+            results.append(
+                Evaluation(str(path), data, predicted_tokens(ids.numel(), seq_len), loss)
+            )
+        del model
+    return results
+
+
+def results_table(results: Sequence[Evaluation]) -> Table:
+    """Model x dataset: loss (perplexity)."""
+    datasets = list(dict.fromkeys(result.data for result in results))
+    table = Table(title="Held-out loss, nats per token (perplexity)")
+    table.add_column("model")
+    for data in datasets:
+        table.add_column(data, justify="right")
+    by_model: dict[str, dict[str, Evaluation]] = {}
+    for result in results:
+        by_model.setdefault(result.model, {})[result.data] = result
+    for model, row in by_model.items():
+        cells = [
+            f"{row[d].loss:.4f} ({row[d].perplexity:.1f})" if d in row else "-" for d in datasets
+        ]
+        table.add_row(model, *cells)
+    tokens = {result.tokens for result in results}
+    table.caption = f"{', '.join(f'{t:,}' for t in sorted(tokens))} predicted tokens per dataset"
+    return table

@@ -1,0 +1,272 @@
+"""Sweeps (planning, FLOP matching, resume) and the merge comparison, end to end at toy size."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import torch
+
+from mergekit_loco import compare, report
+from mergekit_loco.compare import Cell, OuterLrGrid, Sweep, cell_config, plan, trained_tokens
+from mergekit_loco.train.config import preset_config
+from mergekit_loco.train.loop import train
+
+TOY = {"model": "micro", "global_batch": 4, "seq_len": 32, "vocab_size": 300, "val_tokens": 1024}
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("MLOCO_CACHE", str(tmp_path_factory.getbasetemp() / "mloco-cache"))
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Toy models gain nothing from threads, and lose much to them on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def write_domain(folder: Path, make_line, documents: int = 24) -> str:
+    """A folder of ``documents`` small text files whose lines come from ``make_line(doc, line)``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for doc in range(documents):
+        lines = [make_line(doc, line) for line in range(30)]
+        (folder / f"doc{doc:02d}.txt").write_text("\n".join(lines) + "\n")
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def domains(tmp_path_factory) -> list[str]:
+    """Three distinct toy domains: code-like, prose-like, numbers."""
+    root = tmp_path_factory.mktemp("domains")
+    words = "the river ran past old stone walls while quiet birds sang of rain".split()
+    return [
+        write_domain(root / "code", lambda d, i: f"def f{d}_{i}(x):\n    return x * {i % 7} + {d}"),
+        write_domain(
+            root / "prose", lambda d, i: " ".join(words[(d + i * k) % len(words)] for k in range(9))
+        ),
+        write_domain(
+            root / "numbers", lambda d, i: " ".join(str((d * i * k) % 97) for k in range(12))
+        ),
+    ]
+
+
+# -- planning -----------------------------------------------------------------------------------
+def test_plan_is_flop_matched():
+    sweep = Sweep(
+        aggregators=["diloco", "isoloco", "tsv"],
+        workers=[1, 2, 4],
+        inner_steps=[2, 4],
+        seeds=[0, 1],
+        shared={**TOY, "tokens": 4 * 4 * 32 * 4},
+    )
+    cells = plan(sweep)
+    assert len(cells) == 2 + 3 * 3 * 2 * 2  # baseline per seed + aggregator x R x H x seed
+    assert len({cell.name for cell in cells}) == len(cells)
+    configs = [cell_config(sweep, cell, Path("unused")) for cell in cells]
+    assert {trained_tokens(c) for c in configs} == {4 * 4 * 32 * 4}
+    assert {c.global_batch for c in configs} == {4}
+    for cell, config in zip(cells, configs, strict=True):
+        assert config.preset == cell.aggregator and config.seed == cell.seed
+        assert config.worker_batch * config.workers == config.global_batch
+    baseline = [c for c in configs if c.preset == "dp"]
+    assert [c.mode for c in baseline] == ["dp", "dp"] and {c.workers for c in baseline} == {1}
+
+
+def test_plan_refuses_unmatched_budgets_and_bad_splits():
+    # 3 rounds of H=2 fit in 3 * 2 * 4 * 32 tokens but only 1 round of H=4 (the rest unused)
+    unmatched = Sweep(["diloco"], [1], inner_steps=[2, 4], shared={**TOY, "tokens": 3 * 2 * 4 * 32})
+    with pytest.raises(ValueError, match="different token counts.*H=2: 768.*H=4: 512"):
+        plan(unmatched)
+    with pytest.raises(ValueError, match="not divisible by 3 workers"):
+        plan(Sweep(["diloco"], [3], inner_steps=[2], shared={**TOY, "tokens": 2048}))
+    with pytest.raises(ValueError, match="unknown preset 'nope'"):
+        plan(Sweep(["nope"], [1], inner_steps=[2], shared={**TOY, "tokens": 2048}))
+
+
+def test_outer_lr_grid_multipliers_and_absolute_values():
+    grid = OuterLrGrid.parse(["0.5,1,2", "isoloco=1.2,1.8"])
+    assert grid.values("diloco", 0.7) == [0.35, None, 1.4]  # the preset's own lr is None
+    assert grid.values("isoloco", 1.8) == [1.2, None]
+    assert OuterLrGrid().values("tsv", 0.6) == [None]
+    sweep = Sweep(["diloco", "isoloco"], [2], inner_steps=[2], outer_lr_grid=grid,
+                  baseline=False, shared={**TOY, "tokens": 1024})  # fmt: skip
+    lrs = {(c.aggregator, c.outer_lr) for c in plan(sweep)}
+    assert lrs == {("diloco", 0.35), ("diloco", None), ("diloco", 1.4), ("isoloco", 1.2),
+                   ("isoloco", None)}  # fmt: skip
+    named = [c for c in plan(sweep) if c.outer_lr == 1.4][0]
+    assert named.name == "diloco-R2-H2-lr1.4-s0"
+    assert cell_config(sweep, named, Path("x")).outer_lr == 1.4
+    for bad in (["0,1"], ["a,b"], ["1", "2"]):
+        with pytest.raises(ValueError, match="--outer-lr-grid"):
+            OuterLrGrid.parse(bad)
+    with pytest.raises(ValueError, match="names 'tsv', not in --aggregators"):
+        plan(Sweep(["diloco"], [2], outer_lr_grid=OuterLrGrid.parse(["tsv=1"]), shared=TOY))
+
+
+# -- running and resuming -----------------------------------------------------------------------
+def test_stopped_sweep_resumes_and_never_reruns_finished_cells(tmp_path, domains, monkeypatch):
+    calls = []
+
+    def counting_train(config, progress=True):
+        calls.append((Path(config.out).name, config.resume))
+        return train(config, progress=False)
+
+    monkeypatch.setattr(compare, "train", counting_train)
+    shared = {**TOY, "tokens": 4 * 2 * 4 * 32, "data": domains[1]}  # 4 rounds of H = 2
+    first = Sweep(["diloco"], [2], inner_steps=[2], shared=shared)
+    compare.run_sweep(first, tmp_path, figures=False)
+    assert calls == [("dp-s0", False), ("diloco-R2-H2-s0", False)]
+
+    # a wider sweep, stopped after one round of its new cell
+    calls.clear()
+    wider = Sweep(["diloco", "isoloco"], [2], inner_steps=[2], shared=shared)
+    stopped = Sweep(wider.aggregators, [2], inner_steps=[2], shared={**shared, "stop_after": 1})
+    compare.run_sweep(stopped, tmp_path, figures=False)
+    assert calls == [("isoloco-R2-H2-s0", False)]
+    assert not report.is_finished(tmp_path / "runs" / "isoloco-R2-H2-s0")
+
+    calls.clear()
+    summary = compare.run_sweep(wider, tmp_path, figures=False)
+    assert calls == [("isoloco-R2-H2-s0", True)]
+    resumed = report.load_run(tmp_path / "runs" / "isoloco-R2-H2-s0")
+    assert resumed.status == "finished"
+    assert [t for t, _ in resumed.val_curve] == [1 * 256, 2 * 256, 3 * 256, 4 * 256]
+    assert not (tmp_path / "runs" / "isoloco-R2-H2-s0" / "checkpoints").exists()
+
+    # the resumed cell ends where an uninterrupted run ends
+    straight = cell_config(wider, Cell("isoloco", 2, 2, 0), tmp_path / "straight")
+    assert math.isclose(train(straight, progress=False).val_loss, resumed.val_loss, rel_tol=1e-6)
+    assert {row.aggregator for row in summary} == {"dp", "diloco", "isoloco"}
+
+    # a finished cell is never reused for another config
+    other = Sweep(["diloco"], [2], inner_steps=[2], shared={**shared, "seq_len": 16})
+    with pytest.raises(ValueError, match="holds another run.*seq_len"):
+        compare.run_sweep(other, tmp_path, figures=False)
+
+
+def test_diverged_cell_is_recorded_not_raised(tmp_path, monkeypatch):
+    def diverging_train(config, progress=True):
+        Path(config.out).mkdir(parents=True)
+        (Path(config.out) / "config.json").write_text(json.dumps(config.to_dict()))
+        raise FloatingPointError("round 1: train loss is nan")
+
+    monkeypatch.setattr(compare, "train", diverging_train)
+    sweep = Sweep(["diloco"], [2], inner_steps=[2], baseline=False, shared={**TOY, "tokens": 512})
+    compare.run_sweep(sweep, tmp_path, figures=False)
+    run = report.load_run(tmp_path / "runs" / "diloco-R2-H2-s0")
+    assert run.status == "diverged" and run.val_loss == math.inf
+    calls = []
+    monkeypatch.setattr(compare, "train", lambda config, progress=True: calls.append(config))
+    compare.run_sweep(sweep, tmp_path, figures=False)
+    assert calls == []  # diverged counts as finished
+
+
+# -- merge mode -----------------------------------------------------------------------------------
+def test_merge_comparison_end_to_end(tmp_path, domains):
+    """Pre-train a base on all domains, fine-tune it on each, merge with every method, report."""
+    toy = {**TOY, "workers": 1, "inner_steps": 4, "tokens": 10 * 4 * 4 * 32}
+    base_config = preset_config("dp", data=",".join(domains), out=str(tmp_path / "base"), **toy)
+    base = train(base_config, progress=False)
+    finetuned = []
+    for index, domain in enumerate(domains):
+        config = preset_config("dp", data=domain, init=str(base.out / "final"),
+                               out=str(tmp_path / f"ft{index}"), **toy)  # fmt: skip
+        finetuned.append(train(config, progress=False).out / "final")
+
+    methods = ["mean", "ta", "ties", "dare", "tsv", "iso-c", "iso-cts"]
+    summary = compare.compare_merges(
+        base.out / "final", finetuned, domains, methods, [0.5, 1.0], tmp_path / "cmp",
+        eval_tokens=1024, seq_len=32,
+    )  # fmt: skip
+    for method in methods:
+        for scale in (0.5, 1):
+            assert (tmp_path / "cmp" / "merged" / f"{method}-{scale:g}" / "config.json").is_file()
+    document = json.loads((tmp_path / "cmp" / "evaluations.json").read_text())
+    losses = {model["label"]: model["losses"] for model in document["models"]}
+    for domain in domains:  # each fine-tune learned its own domain
+        assert losses[f"finetune:{domain}"][domain]["test"] < losses["base"][domain]["test"]
+
+    # the normalized score and scale choice, recomputed from the saved losses
+    def normalized(label: str, split: str) -> float:
+        own = [losses[f"finetune:{d}"][d][split] / losses[label][d][split] for d in domains]
+        return sum(own) / len(own)
+
+    rows = {row.label: row for row in summary}
+    assert set(rows) == {"base", *(f"finetune:{d}" for d in domains), *methods}
+    for method in methods:
+        best = max((0.5, 1.0), key=lambda s: normalized(f"{method}-{s:g}", "select"))
+        assert rows[method].scales == (best,)
+        assert math.isclose(rows[method].normalized.mean, normalized(f"{method}-{best:g}", "test"))
+    with open(tmp_path / "cmp" / "merge_results.csv") as handle:
+        table = list(csv.DictReader(handle))
+    assert len(table) == (1 + 3 + 7 * 2) * 2
+    own = [r for r in table if r["label"] == f"finetune:{domains[0]}" and r["split"] == "test"]
+    assert float(own[0][f"normalized_{domains[0]}"]) == 1.0
+    assert (tmp_path / "cmp" / "merging.png").stat().st_size > 0
+
+    # merges are reused, not redone; report re-renders without evaluating
+    before = (tmp_path / "cmp" / "merged" / "ties-1").stat().st_mtime_ns
+    report.render([tmp_path / "cmp"], figures=False)
+    assert (tmp_path / "cmp" / "merged" / "ties-1").stat().st_mtime_ns == before
+
+
+def test_merge_mode_checks_its_inputs(tmp_path):
+    with pytest.raises(ValueError, match="2 models but --data 1 domains"):
+        compare.compare_merges("b", ["a", "c"], ["x"], ["mean"], [1.0], tmp_path)
+    with pytest.raises(ValueError, match="unknown merge method 'avg'"):
+        compare.compare_merges("b", ["a", "c"], ["x", "y"], ["avg"], [1.0], tmp_path)
+    with pytest.raises(ValueError, match="--scales must be positive"):
+        compare.compare_merges("b", ["a", "c"], ["x", "y"], ["ta"], [0.0], tmp_path)
+
+
+# -- docs -----------------------------------------------------------------------------------------
+def doc_commands(path: Path) -> list[str]:
+    """The ``mloco compare|report|eval`` lines of the bash blocks in ``path`` (joined at ``\\``)."""
+    blocks = re.findall(r"```bash\n(.*?)```", path.read_text(), flags=re.DOTALL)
+    lines = " ".join(block.replace("\\\n", " ") for block in blocks).split("\n")
+    return [" ".join(line.split()) for line in lines if line.strip().startswith("mloco ")]
+
+
+def run_mloco(command: str) -> None:
+    """One ``mloco ...`` line through ``mloco``'s entry point; fails on a non-zero exit."""
+    from mergekit_loco import cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(shlex.split(command)[1:])
+    assert exit_info.value.code == 0, command
+
+
+def test_docs_examples_run(tmp_path, monkeypatch, capsys):
+    commands = doc_commands(Path(__file__).parents[1] / "docs" / "compare.md")
+    assert len(commands) == 7
+    monkeypatch.chdir(tmp_path)
+    for command in commands:
+        run_mloco(command)
+    assert (tmp_path / "runs/compare-demo/loss_vs_workers.png").is_file()
+    assert (tmp_path / "runs/merge-demo/merging.png").is_file()
+    output = capsys.readouterr().out
+    assert "Final validation loss" in output and "Merged models" in output
+
+
+def test_compare_command_errors_are_one_line(capsys):
+    from mergekit_loco import cli
+
+    for args, message in (
+        (["--mode", "both"], "--mode must be one of aggregators, merge, not 'both'"),
+        (["--mode", "merge", "--base", "b"], "--mode merge needs --base, --finetuned and --data"),
+        (["--workers", "2,x"], "--workers: '2,x' is not a comma-separated list of int"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["compare", "-o", "unused", *args])
+        assert exit_info.value.code == 2
+        error = capsys.readouterr().err
+        assert error == f"error: {message}\n"

@@ -1,0 +1,105 @@
+"""mloco eval: held-out loss against a direct float64 computation on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from mergekit_loco import cli
+from mergekit_loco.evaluate import evaluate_models, held_out_tokens
+from mergekit_loco.train.data import load_or_train_tokenizer
+from mergekit_loco.train.model import build_model, model_config
+
+SEQ_LEN = 16
+TOKENS = 600
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("MLOCO_CACHE", str(tmp_path_factory.getbasetemp() / "mloco-cache"))
+
+
+@pytest.fixture
+def corpus(tmp_path) -> str:
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    words = "one two three four five six seven eight nine ten".split()
+    for doc in range(30):
+        text = " ".join(words[(doc * 3 + k * k) % len(words)] for k in range(60))
+        (folder / f"doc{doc:02d}.txt").write_text(text + "\n")
+    return str(folder)
+
+
+@pytest.fixture
+def model_folder(tmp_path, corpus) -> Path:
+    """A random micro Llama with the BPE of ``corpus``, saved as a Hugging Face folder."""
+    tokenizer = load_or_train_tokenizer(corpus, vocab_size=300)
+    model = build_model(model_config("micro", len(tokenizer)), seed=3)
+    folder = tmp_path / "model"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def direct_loss(folder: Path, ids: torch.Tensor) -> tuple[float, int]:
+    """sum_t -log softmax(logits_t)[x_t+1] over windows of SEQ_LEN, in float64, by hand."""
+    model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    windows = ids[: ids.numel() // SEQ_LEN * SEQ_LEN].reshape(-1, SEQ_LEN)
+    with torch.no_grad():
+        logits = model(input_ids=windows).logits.double()
+    shifted = logits - logits.amax(dim=-1, keepdim=True)
+    log_probs = shifted - shifted.exp().sum(dim=-1, keepdim=True).log()
+    targets = windows[:, 1:]
+    nll = -log_probs[:, :-1].gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return nll.sum().item() / targets.numel(), targets.numel()
+
+
+def test_eval_matches_a_direct_computation(model_folder, corpus, tmp_path):
+    ids = held_out_tokens(corpus, model_folder, TOKENS)
+    assert ids.numel() == TOKENS and ids.dtype == torch.int64
+    expected, predicted = direct_loss(model_folder, ids)
+    assert predicted == (TOKENS // SEQ_LEN) * (SEQ_LEN - 1)
+
+    # the same weights as a bare .safetensors file with config.json (and tokenizer) beside it
+    loose = tmp_path / "loose"
+    shutil.copytree(model_folder, loose)
+    weights = loose / "weights.safetensors"
+    (loose / "model.safetensors").rename(weights)
+
+    results = evaluate_models([model_folder, weights], [corpus], tokens=TOKENS, seq_len=SEQ_LEN)
+    assert [r.model for r in results] == [str(model_folder), str(weights)]
+    for result in results:
+        assert result.tokens == predicted
+        assert math.isclose(result.loss, expected, rel_tol=1e-6)
+        assert math.isclose(result.perplexity, math.exp(expected), rel_tol=1e-6)
+    # an untrained model over a vocabulary of V sits near log(V)
+    assert abs(expected - math.log(300)) < 0.5
+
+
+def test_eval_command_json_and_errors(model_folder, corpus, tmp_path, capsys):
+    args = ["eval", str(model_folder), "--data", corpus, "--tokens", str(TOKENS),
+            "--seq-len", str(SEQ_LEN), "--json"]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(args)
+    assert exit_info.value.code == 0
+    [record] = json.loads(capsys.readouterr().out)
+    expected, _ = direct_loss(model_folder, held_out_tokens(corpus, model_folder, TOKENS))
+    assert record["data"] == corpus and math.isclose(record["loss"], expected, rel_tol=1e-6)
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(model_folder / "config.json", bare)
+    shutil.copy(model_folder / "model.safetensors", bare)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["eval", str(bare), "--data", corpus])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error:") and "no tokenizer" in error and "--tokenizer" in error
+    assert len(error.strip().splitlines()) == 1

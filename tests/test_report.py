@@ -1,0 +1,187 @@
+"""Reports from saved results: statistics, sweep tables and figures, merge scores."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from mergekit_loco import report
+from mergekit_loco.report import paired_difference, spread
+from mergekit_loco.train.config import preset_config
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+# -- statistics ---------------------------------------------------------------------------------
+def test_spread_by_hand():
+    values = [1.0, 2.0, 4.0]
+    result = spread(values)
+    assert math.isclose(result.mean, 7 / 3)
+    # sum of squares about the mean: 16/9 + 1/9 + 25/9 = 42/9, over n - 1 = 2
+    assert math.isclose(result.std, math.sqrt(42 / 9 / 2))
+    assert (result.low, result.high, result.n) == (1.0, 4.0, 3)
+    single = spread([3.5])
+    assert single.mean == 3.5 and math.isnan(single.std) and single.n == 1
+    with pytest.raises(ValueError):
+        spread([])
+
+
+def test_paired_difference_by_hand():
+    a = {0: 1.0, 1: 2.0, 2: 3.0}
+    # per-seed differences -0.5, -0.4, -0.6: mean -0.5, std 0.1 -> significant
+    delta, significant = paired_difference(a, {0: 1.5, 1: 2.4, 2: 3.6})
+    assert math.isclose(delta, -0.5) and significant is True
+    # differences -0.1, +0.2: mean 0.05, std 0.3 / sqrt(2) = 0.212 -> within the spread
+    delta, significant = paired_difference({0: 1.0, 1: 2.0}, {0: 1.1, 1: 1.8})
+    assert math.isclose(delta, 0.05) and significant is False
+    # only seeds both ran count; one shared seed cannot tell
+    delta, significant = paired_difference({0: 1.0, 5: 9.0}, {0: 1.25, 1: 0.0})
+    assert math.isclose(delta, -0.25) and significant is None
+    assert math.isnan(paired_difference({0: 1.0}, {1: 1.0})[0])
+
+
+# -- sweep reports --------------------------------------------------------------------------------
+def write_run(root: Path, name: str, preset: str, workers: int, seed: int, val_loss: float | None,
+              outer_lr: float | None = None) -> None:  # fmt: skip
+    """A run folder as the trainer leaves it: config.json and metrics.jsonl (4 rounds, eval
+    every 2), the final event only when ``val_loss`` is given."""
+    overrides = {} if outer_lr is None else {"outer_lr": outer_lr}
+    config = preset_config(preset, model="micro", workers=workers, inner_steps=2, global_batch=4,
+                           seq_len=8, tokens=256, seed=seed, **overrides)  # fmt: skip
+    folder = root / "runs" / name
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(config.to_dict()))
+    events = []
+    for completed in range(1, 5):
+        events.append({"event": "round", "round": completed, "tokens": completed * 64,
+                       "train_loss": 9.0 - completed})  # fmt: skip
+        if completed == 2:
+            events.append({"event": "eval", "round": 2, "val_loss": 8.0})
+    if val_loss is not None:
+        events.append({"event": "final", "round": 4, "tokens": 256, "val_loss": val_loss})
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+
+
+def test_report_rerenders_a_sweep_from_saved_metrics(tmp_path):
+    for seed, loss in ((0, 3.5), (1, 3.6)):
+        write_run(tmp_path, f"dp-s{seed}", "dp", 1, seed, loss)
+    # diloco at R = 2 with two outer lrs: 1.4 has the lower mean and is chosen
+    for seed, (at_07, at_14) in enumerate(((3.0, 2.9), (3.2, 3.0))):
+        write_run(tmp_path, f"diloco-R2-H2-s{seed}", "diloco", 2, seed, at_07)
+        write_run(tmp_path, f"diloco-R2-H2-lr1.4-s{seed}", "diloco", 2, seed, at_14, 1.4)
+    for seed, loss in ((0, 2.5), (1, 2.6)):
+        write_run(tmp_path, f"isoloco-R2-H2-s{seed}", "isoloco", 2, seed, loss)
+    write_run(tmp_path, "tsv-R2-H2-s0", "tsv", 2, 0, None)  # unfinished
+
+    output = io.StringIO()
+    summary = report.report_sweep(tmp_path, console=Console(file=output, width=200))
+    rows = {row.aggregator: row for row in summary}
+    assert set(rows) == {"dp", "diloco", "isoloco"}  # the unfinished run has no row
+    assert rows["diloco"].outer_lr == 1.4
+    assert math.isclose(rows["diloco"].loss.mean, 2.95)
+    assert math.isclose(rows["diloco"].loss.std, math.sqrt(2 * 0.05**2))
+    assert rows["dp"].outer_lr is None and rows["dp"].workers == 1
+
+    with open(tmp_path / "results.csv") as handle:
+        table = list(csv.DictReader(handle))
+    required = {"aggregator", "workers", "inner_steps", "seed", "outer_lr", "tokens", "val_loss"}
+    assert required <= set(table[0]) and len(table) == 9
+    tsv = next(r for r in table if r["name"] == "tsv-R2-H2-s0")
+    assert tsv["status"] == "unfinished" and tsv["val_loss"] == ""
+    with open(tmp_path / "summary.csv") as handle:
+        by_name = {r["aggregator"]: r for r in csv.DictReader(handle)}
+    assert math.isclose(float(by_name["isoloco"]["val_loss_mean"]), 2.55)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert len(saved["runs"]) == 9 and len(saved["summary"]) == 3
+    for figure in ("loss_vs_workers.png", "curves.png"):
+        assert (tmp_path / figure).read_bytes().startswith(PNG_MAGIC)
+
+    text = output.getvalue()
+    # isoloco - diloco per seed: 2.5 - 2.9, 2.6 - 3.0 -> -0.4 with zero spread: significant
+    assert "+0.4000" in text.split("diloco")[1]
+    assert "Outer-lr sweep" in text and "1 unfinished run(s): tsv-R2-H2-s0" in text
+
+    run = report.load_run(tmp_path / "runs" / "isoloco-R2-H2-s0")
+    assert run.val_curve == ((128, 8.0), (256, 2.5))
+    assert run.train_curve == ((64, 8.0), (128, 7.0), (192, 6.0), (256, 5.0))
+
+
+def test_report_without_matplotlib_says_how_to_get_it(tmp_path, monkeypatch):
+    write_run(tmp_path, "diloco-R2-H2-s0", "diloco", 2, 0, 3.0)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match=r"pip install 'mergekit_loco\[plot\]'"):
+        report.report_sweep(tmp_path)
+    report.report_sweep(tmp_path, figures=False)  # tables need no matplotlib
+    assert (tmp_path / "results.csv").is_file()
+
+
+def test_render_refuses_what_it_cannot_read(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no runs"):
+        report.render([tmp_path])
+    with pytest.raises(ValueError, match="several folders"):
+        report.render([tmp_path, tmp_path])
+
+
+# -- merge reports --------------------------------------------------------------------------------
+def merge_document() -> dict:
+    """Two domains a, b. The base: 4.0 and 5.0. Fine-tune a: 2.0 on a; fine-tune b: 4.0 on b.
+    ties at scale 0.5 is best on the select halves, at scale 1 on the test halves."""
+
+    def losses(a_select, a_test, b_select, b_test):
+        return {"a": {"select": a_select, "test": a_test},
+                "b": {"select": b_select, "test": b_test}}  # fmt: skip
+
+    models = [
+        ("base", "base", None, None, losses(4.0, 4.0, 5.0, 5.0)),
+        ("finetune:a", "finetuned", None, None, losses(2.0, 2.0, 6.0, 6.0)),
+        ("finetune:b", "finetuned", None, None, losses(5.0, 5.0, 4.0, 4.0)),
+        ("ties-0.5", "merge", "ties", 0.5, losses(2.5, 3.0, 3.5, 4.8)),
+        ("ties-1", "merge", "ties", 1.0, losses(3.0, 2.5, 4.0, 3.5)),
+    ]
+    return {
+        "domains": ["a", "b"],
+        "models": [
+            {"label": label, "kind": kind, "method": method, "scale": scale, "losses": loss}
+            for label, kind, method, scale, loss in models
+        ],  # fmt: skip
+    }
+
+
+def test_merge_scores_by_hand(tmp_path):
+    for index in range(2):
+        folder = tmp_path / f"set{index}"
+        folder.mkdir()
+        (folder / report.EVALUATIONS).write_text(json.dumps(merge_document()))
+    output = io.StringIO()
+    summary = report.report_merges([tmp_path / "set0", tmp_path / "set1"], tmp_path / "out",
+                                   console=Console(file=output, width=200))  # fmt: skip
+    rows = {row.label: row for row in summary}
+    ties = rows["ties"]
+    # chosen on select: 0.5 scores (2/2.5 + 4/3.5) / 2 = 0.971 against 1.0's (2/3 + 4/4) / 2
+    assert ties.scales == (0.5, 0.5)
+    # reported on test at 0.5: losses 3.0 and 4.8
+    assert math.isclose(ties.normalized.mean, (2.0 / 3.0 + 4.0 / 4.8) / 2)
+    # gain kept, a ratio of sums: ((4 - 3) + (5 - 4.8)) / ((4 - 2) + (5 - 4)) = 1.2 / 3
+    assert math.isclose(ties.gain_kept.mean, 0.4)
+    assert math.isclose(ties.loss.mean, 3.9) and ties.loss.std == 0.0
+    assert math.isclose(rows["finetune:a"].normalized.mean, (1.0 + 4.0 / 6.0) / 2)
+    assert math.isclose(rows["finetune:a"].gain_kept.mean, (2 - 1) / 3)
+    assert math.isclose(rows["base"].gain_kept.mean, 0.0)
+    assert [row.kind for row in summary] == ["base", "finetuned", "finetuned", "merge"]
+
+    with open(tmp_path / "out" / "merge_results.csv") as handle:
+        table = list(csv.DictReader(handle))
+    assert len(table) == 2 * 5 * 2  # sets x models x halves
+    assert {row["set"] for row in table} == {"set0", "set1"}
+    assert (tmp_path / "out" / "merging.png").read_bytes().startswith(PNG_MAGIC)
+    assert "mean ± std over 2 fine-tune sets" in output.getvalue()
+
+    with pytest.raises(ValueError, match="needs --output"):
+        report.render([tmp_path / "set0", tmp_path / "set1"])
