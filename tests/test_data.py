@@ -17,16 +17,18 @@ from mergekit_loco.train.data import (
     BatchStream,
     DataExhausted,
     evaluate_loss,
-    load_documents,
     load_or_train_tokenizer,
     load_tokenizer,
     prepare_data,
-    read_r_lazyload_strings,
-    read_sword_ztext_chapters,
     validation_batches,
     worker_shard,
 )
 from mergekit_loco.train.model import build_model, model_config
+from mergekit_loco.train.sources import (
+    load_documents,
+    read_r_lazyload_strings,
+    read_sword_ztext_chapters,
+)
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron".split()
 

@@ -1,7 +1,7 @@
-"""Text sources, a local byte-level BPE tokenizer, cached token streams and worker batches.
+"""A local byte-level BPE tokenizer, cached token streams and worker batches.
 
-A data spec is a comma-separated list of sources: ``stdlib`` (default), ``pydoc``, ``austen``,
-``bible``, or a path (text file, ``.jsonl`` file, folder). Documents are joined as
+Documents come from :mod:`mergekit_loco.train.sources` (a data spec such as ``stdlib``,
+``pydoc,austen`` or a path). Documents are joined as
 ``doc EOS doc EOS ...``. Documents are ordered by ``sha256(seed, name)``; the first ones in that
 order are held out whole for validation until ``val_tokens`` are reached, the rest form the
 training stream, cut at ``max_train_tokens``. Worker ``r`` of ``R`` reads the ``r``-th of ``R``
@@ -11,16 +11,11 @@ equal contiguous slices of the training stream.
 from __future__ import annotations
 
 import contextlib
-import gzip
 import hashlib
 import json
 import os
-import re
 import shutil
-import struct
-import sysconfig
 import tempfile
-import zlib
 from array import array
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -31,26 +26,22 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from mergekit_loco.train.sources import (
+    Document,
+    cache_root,
+    fingerprint,
+    hash_order,
+    load_documents,
+)
+
 EOS_TOKEN = "<|endoftext|>"
-BUILTIN_SOURCES = ("stdlib", "pydoc", "austen", "bible")
-TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl")
 TOKENIZER_TRAIN_CHARS = 4_000_000
-_STDLIB_SKIPPED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
 _CACHE_FORMAT = 1  # bump whenever a change alters the tokenizer or the token streams
 _ENCODE_CHUNK = 64  # documents per encode_batch call
 
 
 class DataExhausted(ValueError):
     """A worker's shard has fewer tokens left than the batch it asked for."""
-
-
-@dataclass(frozen=True)
-class Document:
-    """A named document whose text is read on demand; ``stamp`` changes when the text may."""
-
-    name: str
-    stamp: str
-    read: Callable[[], str]
 
 
 @dataclass
@@ -68,283 +59,6 @@ class PreparedData:
     @property
     def vocab_size(self) -> int:
         return len(self.tokenizer)
-
-
-def cache_root() -> Path:
-    """``$MLOCO_CACHE``, else ``~/.cache/mergekit_loco``."""
-    return Path(os.environ.get("MLOCO_CACHE", "~/.cache/mergekit_loco")).expanduser()
-
-
-# -- sources ------------------------------------------------------------------------------------
-def load_documents(spec: str) -> list[Document]:
-    """The documents of a comma-separated data spec, each source in a fixed sorted order."""
-    parts = [part.strip() for part in spec.split(",")]
-    if not spec.strip() or not all(parts):
-        raise ValueError(f"data spec {spec!r} has an empty source")
-    documents: list[Document] = []
-    for part in parts:
-        documents.extend(_source_documents(part))
-    seen: set[str] = set()
-    for document in documents:
-        if document.name in seen:
-            raise ValueError(f"data spec {spec!r} includes document {document.name!r} twice")
-        seen.add(document.name)
-    return documents
-
-
-def _source_documents(source: str) -> list[Document]:
-    if source == "stdlib":
-        return _stdlib_documents()
-    if source == "pydoc":
-        return _pydoc_documents()
-    if source == "austen":
-        return _austen_documents()
-    if source == "bible":
-        return _bible_documents()
-    path = Path(source).expanduser()
-    if path.is_dir():
-        files = sorted(
-            file
-            for file in path.rglob("*")
-            if file.is_file()
-            and file.suffix in TEXT_SUFFIXES
-            and not any(part.startswith(".") for part in file.relative_to(path).parts)
-        )
-        root = source.rstrip("/")
-        documents = [
-            document
-            for file in files
-            for document in _file_documents(file, f"{root}/{file.relative_to(path).as_posix()}")
-        ]
-        if not documents:
-            raise ValueError(f"data folder {source!r} holds no {'/'.join(TEXT_SUFFIXES)} files")
-        return documents
-    if path.is_file():
-        return _file_documents(path, source)
-    raise ValueError(
-        f"unknown data source {source!r}: not one of {', '.join(BUILTIN_SOURCES)} "
-        "and no such file or folder"
-    )
-
-
-def _file_documents(path: Path, name: str) -> list[Document]:
-    """One document per text file; one per line (its "text" field) of a ``.jsonl`` file."""
-    stat = path.stat()
-    stamp = f"{stat.st_size}:{stat.st_mtime_ns}"
-    if path.suffix != ".jsonl":
-        return [Document(name, stamp, lambda: path.read_text(encoding="utf-8", errors="replace"))]
-    documents = []
-    with path.open(encoding="utf-8", errors="replace") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                text = json.loads(line)["text"]
-            except (json.JSONDecodeError, KeyError, TypeError) as error:
-                raise ValueError(
-                    f'{path}:{number}: expected a JSON object with a "text" string'
-                ) from error
-            if not isinstance(text, str):
-                raise ValueError(f'{path}:{number}: "text" is not a string')
-            documents.append(Document(f"{name}:{number}", stamp, lambda text=text: text))
-    return documents
-
-
-def _stdlib_documents() -> list[Document]:
-    """The standard library's own ``.py`` files (no tests, idlelib or installed packages)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = []
-    for folder, subfolders, names in os.walk(root):
-        subfolders[:] = [name for name in subfolders if name not in _STDLIB_SKIPPED_DIRS]
-        files += [Path(folder, name) for name in names if name.endswith(".py")]
-    return [
-        document
-        for path in sorted(files, key=lambda path: path.relative_to(root).parts)
-        if os.access(path, os.R_OK)
-        for document in _file_documents(path, f"stdlib/{path.relative_to(root).as_posix()}")
-    ]
-
-
-def _pydoc_documents() -> list[Document]:
-    """English reference prose shipped with CPython: one document per ``pydoc_data`` topic."""
-    try:
-        from pydoc_data.topics import topics
-    except ImportError as error:
-        raise ValueError("data source 'pydoc': this Python has no pydoc_data.topics") from error
-    return [
-        Document(f"pydoc/{name}", hashlib.sha256(text.encode()).hexdigest(), lambda text=text: text)
-        for name, text in sorted(topics.items())
-    ]
-
-
-def _missing_debian_data(source: str, env: str, package: str, folder: Path) -> ValueError:
-    return ValueError(
-        f"data source {source!r} needs the Debian package {package} unpacked in {folder} "
-        f"(or set ${env}); run: apt-get download {package} && "
-        f"dpkg -x {package}_*.deb {folder}"
-    )
-
-
-def _austen_documents() -> list[Document]:
-    """Jane Austen's six novels from r-cran-janeaustenr, one document per chapter."""
-    folder = Path(os.environ.get("MLOCO_AUSTEN_DIR", cache_root() / "austen")).expanduser()
-    indexes = sorted(folder.rglob("janeaustenr/data/Rdata.rdx")) if folder.is_dir() else []
-    if not indexes:
-        raise _missing_debian_data("austen", "MLOCO_AUSTEN_DIR", "r-cran-janeaustenr", folder)
-    stamp = str(indexes[0].with_suffix(".rdb").stat().st_size)
-    heading = re.compile(r"^chapter\s+[\divxlc]+\b", re.IGNORECASE)
-    documents = []
-    for book, lines in read_r_lazyload_strings(indexes[0]).items():
-        chapters = _split_before(lines, heading)
-        for number, chapter in enumerate(chapters):
-            text = "\n".join(chapter).strip() + "\n"
-            documents.append(Document(f"austen/{book}/{number:03d}", stamp, lambda t=text: t))
-    return documents
-
-
-def _split_before(lines: list[str], heading: re.Pattern) -> list[list[str]]:
-    """Split ``lines`` into runs, each starting at a heading line (the first run may not)."""
-    runs: list[list[str]] = [[]]
-    for line in lines:
-        if heading.match(line) and any(text.strip() for text in runs[-1]):
-            runs.append([])
-        runs[-1].append(line)
-    return runs
-
-
-def read_r_lazyload_strings(index_path: Path) -> dict[str, list[str]]:
-    """The character vectors of an R lazy-load database (``X.rdx`` index + ``X.rdb`` data).
-
-    Each entry of the ``.rdb`` is a 4-byte big-endian length then a zlib stream of an R XDR
-    serialization; the ``.rdx`` is a gzipped serialization of ``list(variables = list(name =
-    c(offset, length)), ...)``. Only the value types these datasets use are decoded.
-    """
-    index = _RReader(gzip.decompress(index_path.read_bytes())).read()
-    variables = index["variables"]
-    blob = index_path.with_suffix(".rdb").read_bytes()
-    vectors = {}
-    for name, (offset, length) in variables.items():
-        value = _RReader(zlib.decompress(blob[offset + 4 : offset + length])).read()
-        if isinstance(value, list) and all(item is None or isinstance(item, str) for item in value):
-            vectors[name] = [item or "" for item in value]
-    return vectors
-
-
-class _RReader:
-    """A minimal reader of R's XDR serialization format (versions 2 and 3)."""
-
-    _NIL, _REF, _SYMBOL, _PAIRLIST, _CHARS = 254, 255, 1, 2, 9
-    _LOGICAL, _INTEGER, _REAL, _STRINGS, _LIST = 10, 13, 14, 16, 19
-
-    def __init__(self, raw: bytes):
-        if raw[:2] != b"X\n":
-            raise ValueError("not an R XDR serialization")
-        self.raw, self.offset, self.references = raw, 2, []
-        version = self._int()
-        self.offset += 8  # writer and minimal reader R versions
-        if version == 3:
-            encoding_length = self._int()  # then the native encoding's name
-            self.offset += encoding_length
-
-    def _int(self) -> int:
-        (value,) = struct.unpack_from(">i", self.raw, self.offset)
-        self.offset += 4
-        return value
-
-    def read(self):
-        """Vectors become lists (named ones dicts), symbols strings, NA/NULL None."""
-        flags = self._int()
-        kind, has_attributes, has_tag = flags & 0xFF, flags & (1 << 9), flags & (1 << 10)
-        if kind == self._NIL:
-            return None
-        if kind == self._REF:
-            return self.references[(flags >> 8 or self._int()) - 1]
-        if kind == self._SYMBOL:
-            symbol = self.read()
-            self.references.append(symbol)
-            return symbol
-        if kind == self._CHARS:
-            length = self._int()
-            if length == -1:
-                return None
-            self.offset += length
-            return self.raw[self.offset - length : self.offset].decode("utf-8", errors="replace")
-        if kind == self._PAIRLIST:
-            pairs = {}
-            if has_attributes:
-                self.read()
-            tag = self.read() if has_tag else None
-            pairs[tag] = self.read()
-            rest = self.read()
-            return {**pairs, **(rest or {})}
-        length = self._int()
-        if kind in (self._LOGICAL, self._INTEGER, self._REAL):
-            code = "d" if kind == self._REAL else "i"
-            values = list(struct.unpack_from(f">{length}{code}", self.raw, self.offset))
-            self.offset += length * struct.calcsize(code)
-        elif kind in (self._STRINGS, self._LIST):
-            values = [self.read() for _ in range(length)]
-        else:
-            raise ValueError(f"R serialization: value type {kind} is not supported")
-        attributes = self.read() if has_attributes else {}
-        names = attributes.get("names")
-        return dict(zip(names, values, strict=True)) if names and kind == self._LIST else values
-
-
-def _bible_documents() -> list[Document]:
-    """The World English Bible from sword-text-web, one document per chapter (notes dropped)."""
-    folder = Path(os.environ.get("MLOCO_BIBLE_DIR", cache_root() / "bible")).expanduser()
-    modules = sorted(folder.rglob("engWEB*/ot.bzz")) if folder.is_dir() else []
-    if not modules:
-        raise _missing_debian_data("bible", "MLOCO_BIBLE_DIR", "sword-text-web", folder)
-    module = modules[0].parent
-    stamp = str(sum((module / f"{part}.bzz").stat().st_size for part in ("ot", "nt")))
-    return [
-        Document(f"bible/{chapter}", stamp, lambda t=text: t)
-        for chapter, text in read_sword_ztext_chapters(module).items()
-    ]
-
-
-def read_sword_ztext_chapters(module: Path) -> dict[str, str]:
-    """Chapters (OSIS id -> plain text) of a SWORD zText module with OSIS markup.
-
-    ``{ot,nt}.bzs`` lists blocks as little-endian uint32 (offset, size, uncompressed size) into
-    ``{ot,nt}.bzz``, each a zlib stream of the OSIS text; chapters start at ``<chapter sID=...>``
-    and end at the next chapter or book. Book title pages and footnotes are dropped.
-    """
-    markup = []
-    for testament in ("ot", "nt"):
-        index = (module / f"{testament}.bzs").read_bytes()
-        blocks = (module / f"{testament}.bzz").read_bytes()
-        for offset, size, _ in struct.iter_unpack("<III", index):
-            markup.append(zlib.decompress(blocks[offset : offset + size]).decode("utf-8"))
-    osis = re.sub(r"<note\b.*?</note>", " ", "".join(markup), flags=re.DOTALL)
-    osis = re.sub(r'<div eID="[^"]*" type="x-p"/>|</l>', "\n", osis)
-    pieces = re.split(r'<chapter\b[^>]*\bsID="([^"]+)"[^>]*/>', osis)
-    chapters = {}
-    for chapter, body in zip(pieces[1::2], pieces[2::2], strict=True):
-        body = re.split(r'<div\b[^>]*\btype="book"', body)[0]  # the next book's title page
-        text = re.sub(r"<[^>]+>", "", body)
-        text = re.sub(r"[ \t]+", " ", text)
-        text = re.sub(r" ([,.;:!?’”)])", r"\1", text)
-        text = re.sub(r"\s*\n\s*", "\n", text).strip()
-        if text:
-            chapters[chapter] = text + "\n"
-    return chapters
-
-
-def _fingerprint(documents: Iterable[Document]) -> str:
-    digest = hashlib.sha256()
-    for document in documents:
-        digest.update(f"{document.name}\0{document.stamp}\0".encode())
-    return digest.hexdigest()
-
-
-def _hash_order(documents: list[Document], salt: str) -> list[Document]:
-    """Documents in the deterministic pseudo-random order of ``sha256(salt, name)``."""
-    return sorted(
-        documents, key=lambda doc: hashlib.sha256(f"{salt}\0{doc.name}".encode()).digest()
-    )
 
 
 # -- tokenizer ----------------------------------------------------------------------------------
@@ -399,10 +113,10 @@ def load_or_train_tokenizer(
     tokenizer folder ``<cache_dir>/tokenizers/bpe<vocab>-<key>``.
     """
     documents = load_documents(data_spec) if documents is None else documents
-    key = _key(_CACHE_FORMAT, vocab_size, _fingerprint(documents))
+    key = _key(_CACHE_FORMAT, vocab_size, fingerprint(documents))
     folder = (cache_dir or cache_root()) / "tokenizers" / f"bpe{vocab_size}-{key[:16]}"
     if not (folder / "tokenizer.json").is_file():
-        texts = (doc.read() for doc in _hash_order(documents, "tokenizer"))
+        texts = (doc.read() for doc in hash_order(documents, "tokenizer"))
         tokenizer = train_tokenizer(texts, vocab_size)
         folder.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
@@ -428,7 +142,7 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
         raise ValueError(f"tokenizer {str(path)!r} cannot be loaded: {error}") from error
 
 
-def _tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+def _tokenizerfingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     text = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab()))
     return hashlib.sha256(f"{type(tokenizer).__name__}\0{text}".encode()).hexdigest()
@@ -484,8 +198,8 @@ def prepare_data(
         raise ValueError(f"tokenizer {tokenizer_name!r} defines no EOS token")
     key = _key(
         _CACHE_FORMAT,
-        _fingerprint(documents),
-        _tokenizer_fingerprint(tokenizer_object),
+        fingerprint(documents),
+        _tokenizerfingerprint(tokenizer_object),
         max_train_tokens,
         val_tokens,
         seed,
@@ -522,7 +236,7 @@ def _tokenize_split(
     val_tokens: int,
     seed: int,
 ) -> dict:
-    order = _hash_order(documents, str(seed))
+    order = hash_order(documents, str(seed))
     encoded = _encoded_documents(order, tokenizer, eos_id)
     val = array("q")
     held_out = 0
