@@ -170,10 +170,14 @@ def cell_config(sweep: Sweep, cell: Cell, run_dir: Path, **runtime) -> TrainConf
 
 # -- running ----------------------------------------------------------------------------------
 def run_cell(sweep: Sweep, cell: Cell, run_dir: Path, progress: bool = False) -> str:
-    """Train one cell: ``"ran"``, ``"resumed"`` (from its latest checkpoint), ``"diverged"``
-    or ``"stopped"`` (by ``stop_after``; it resumes next time).
-    A run whose loss goes non-finite is recorded as diverged (an outcome, e.g. of a too-large
-    outer lr), not an error. The checkpoints of a finished cell are deleted (final/ is kept)."""
+    """Train one cell: ``"ran"``, ``"resumed"`` (from its latest checkpoint), ``"failed"`` or
+    ``"stopped"`` (by ``stop_after``; it resumes next time).
+
+    A run that cannot finish for numerical reasons (a non-finite loss, e.g. at a too-large outer
+    lr, or an SVD of the aggregator that does not converge) is an outcome of the cell, not an
+    error of the sweep: it is recorded in ``failed.json`` and the sweep goes on (delete the
+    folder to try it again). The checkpoints of a finished cell are deleted (final/ is kept).
+    """
     resumable = latest_checkpoint(run_dir) is not None
     if resumable:
         config = cell_config(sweep, cell, run_dir, resume=True)
@@ -184,9 +188,10 @@ def run_cell(sweep: Sweep, cell: Cell, run_dir: Path, progress: bool = False) ->
         if not train(config, progress=progress).finished:
             return "stopped"  # stop_after: resumes next time
         outcome = "resumed" if resumable else "ran"
-    except FloatingPointError as error:
-        report.write_atomic(run_dir / report.DIVERGED_FILE, json.dumps({"error": str(error)}))
-        outcome = "diverged"
+    except (FloatingPointError, torch.linalg.LinAlgError) as error:
+        failure = {"error": f"{type(error).__name__}: {error}"}
+        report.write_atomic(run_dir / report.FAILED_FILE, json.dumps(failure) + "\n")
+        outcome = "failed"
     shutil.rmtree(run_dir / CHECKPOINTS, ignore_errors=True)
     return outcome
 

@@ -69,7 +69,7 @@ def paired_difference(a: Mapping[int, float], b: Mapping[int, float]) -> tuple[f
     both ran (same seed: same init, data order and validation documents), ``delta = mean(d)``;
     significant when ``|delta| > std(d)`` (ddof 1): a difference larger than its own
     seed-to-seed spread. ``significant`` is None (cannot tell) with fewer than two shared seeds
-    or a diverged run."""
+    or a failed run."""
     seeds = sorted(set(a) & set(b))
     if not seeds:
         return math.nan, None
@@ -84,7 +84,7 @@ def paired_difference(a: Mapping[int, float], b: Mapping[int, float]) -> tuple[f
 @dataclass(frozen=True)
 class Run:
     """One training run as saved: its config and its final validation loss (None: unfinished;
-    inf: diverged), with the validation and training loss curves against tokens seen."""
+    inf: failed), with the validation and training loss curves against tokens seen."""
 
     name: str
     aggregator: str
@@ -105,7 +105,8 @@ class Run:
         return {column: getattr(self, column) for column in RUN_COLUMNS}
 
 
-DIVERGED_FILE = "diverged.json"
+#: written into a run folder whose run could not finish (see compare.run_cell), with the error.
+FAILED_FILE = "failed.json"
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -123,8 +124,8 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def is_finished(run_dir: Path) -> bool:
-    """A run is finished when its metrics end with the final event, or when it diverged."""
-    if (run_dir / DIVERGED_FILE).exists():
+    """A run is finished when its metrics end with the final event, or when it failed."""
+    if (run_dir / FAILED_FILE).exists():
         return True
     events = read_metrics(run_dir)
     return bool(events) and events[-1].get("event") == "final"
@@ -146,8 +147,8 @@ def load_run(run_dir: Path) -> Run:
         elif kind in ("eval", "final") and event.get("val_loss") is not None:
             val_curve.append((tokens, float(event["val_loss"])))
     final = events[-1] if events and events[-1].get("event") == "final" else None
-    if (run_dir / DIVERGED_FILE).exists():
-        status, val_loss = "diverged", math.inf
+    if (run_dir / FAILED_FILE).exists():
+        status, val_loss = "failed", math.inf
     elif final is not None:
         status, val_loss = "finished", float(final["val_loss"])
     else:
@@ -244,7 +245,7 @@ def format_number(value: float | None, digits: int = 4) -> str:
     if value is None or math.isnan(value):
         return "-"
     if math.isinf(value):
-        return "diverged"
+        return "failed"
     return f"{value:.{digits}f}"
 
 
@@ -261,7 +262,7 @@ def format_difference(row: SummaryRow, other: SummaryRow | None) -> str:
     if other is None or row is other:
         return ""
     if not (math.isfinite(row.loss.mean) and math.isfinite(other.loss.mean)):
-        return "diverged"
+        return "failed"
     delta, significant = paired_difference(row.losses, other.losses)
     if math.isnan(delta):
         return "-"
@@ -418,6 +419,15 @@ def save_figure(figure, path: Path) -> None:
     write_atomic(path, buffer.getvalue())
 
 
+def aggregator_colors(plt, summary: Sequence[SummaryRow]) -> dict[str, str]:
+    """One colour per aggregator (alphabetical, so every figure agrees); the baseline black."""
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    names = sorted({row.aggregator for row in summary if not row.is_baseline})
+    return {name: cycle[index % len(cycle)] for index, name in enumerate(names)} | {
+        BASELINE: "black"
+    }
+
+
 def plot_loss_vs_workers(summary: Sequence[SummaryRow], path: Path) -> None:
     """Final validation loss against R per aggregator (error bars: std over seeds), one panel per
     H, with the data-parallel baseline as a horizontal line (band: its min-max over seeds)."""
@@ -428,8 +438,9 @@ def plot_loss_vs_workers(summary: Sequence[SummaryRow], path: Path) -> None:
         1, len(inner_steps), figsize=(6 * len(inner_steps), 4.5), squeeze=False
     )
     baseline = baseline_of(summary)
+    colors = aggregator_colors(plt, summary)
     for axis, steps in zip(axes[0], inner_steps, strict=True):
-        aggregators = dict.fromkeys(row.aggregator for row in rows if row.inner_steps == steps)
+        aggregators = sorted({row.aggregator for row in rows if row.inner_steps == steps})
         for aggregator in aggregators:
             points = sorted(
                 (r for r in rows if r.aggregator == aggregator and r.inner_steps == steps),
@@ -442,6 +453,7 @@ def plot_loss_vs_workers(summary: Sequence[SummaryRow], path: Path) -> None:
                 yerr=errors,
                 marker="o",
                 capsize=3,
+                color=colors[aggregator],
                 label=aggregator,
             )
         if baseline is not None and math.isfinite(baseline.loss.mean):
@@ -456,7 +468,7 @@ def plot_loss_vs_workers(summary: Sequence[SummaryRow], path: Path) -> None:
         axis.set_ylabel("final validation loss")
         axis.set_title(f"H = {steps} inner steps")
         axis.grid(alpha=0.3)
-        axis.legend(fontsize=8)
+    axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     save_figure(figure, path)
     plt.close(figure)
 
@@ -471,6 +483,8 @@ def plot_curves(runs: Sequence[Run], summary: Sequence[SummaryRow], path: Path) 
     """Validation (solid) and training (faint) loss against tokens, seed means at each cell's
     chosen outer lr; one panel per (R, H), the baseline drawn in every panel."""
     plt = pyplot()
+    from matplotlib.ticker import EngFormatter
+
     chosen = {(row.aggregator, row.workers, row.inner_steps): row.outer_lr for row in summary}
 
     def cell_runs(row: SummaryRow) -> list[Run]:
@@ -493,19 +507,14 @@ def plot_curves(runs: Sequence[Run], summary: Sequence[SummaryRow], path: Path) 
     )
     for axis in axes.flat[len(panels) :]:
         axis.set_visible(False)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    aggregators = list(dict.fromkeys(r.aggregator for r in summary if not r.is_baseline))
+    colors = aggregator_colors(plt, summary)
     for axis, (steps, workers) in zip(axes.flat, panels, strict=False):
         rows = [r for r in summary if (r.workers, r.inner_steps) == (workers, steps)]
         if baseline is not None:
             rows.append(baseline)
-        for row in rows:
+        for row in sorted(rows, key=lambda r: r.aggregator):
             group = cell_runs(row)
-            color = (
-                "black"
-                if row.is_baseline
-                else colors[aggregators.index(row.aggregator) % len(colors)]
-            )
+            color = colors[row.aggregator]
             val = _mean_curve([run.val_curve for run in group if run.val_curve])
             train = _mean_curve([run.train_curve for run in group if run.train_curve])
             if train:
@@ -514,9 +523,13 @@ def plot_curves(runs: Sequence[Run], summary: Sequence[SummaryRow], path: Path) 
                 axis.plot(*zip(*val, strict=True), color=color, marker=".", label=row.aggregator)
         axis.set_title(f"R = {workers}, H = {steps}")
         axis.set_xlabel("tokens")
-        axis.set_ylabel("loss (solid: val, faint: train)")
+        axis.xaxis.set_major_formatter(EngFormatter())
         axis.grid(alpha=0.3)
-        axis.legend(fontsize=7)
+    for axis in axes[:, 0]:
+        axis.set_ylabel("loss (solid: val, faint: train)")
+    axes.flat[min(len(panels), columns) - 1].legend(
+        fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1)
+    )
     save_figure(figure, path)
     plt.close(figure)
 
@@ -566,8 +579,16 @@ class MergeRow:
     scales: tuple[float, ...]
     domain_loss: Mapping[str, Spread]
     loss: Spread
-    normalized: Spread
+    normalized_by_set: Mapping[str, float]
     gain_kept: Spread
+
+    @property
+    def normalized(self) -> Spread:
+        return spread(list(self.normalized_by_set.values()))
+
+
+#: the reference merge of the report's "vs mean" column: plain averaging (DiLoCo's aggregator).
+REFERENCE_MERGE = "mean"
 
 
 def merge_scores(document: Mapping, losses: Mapping[str, Mapping[str, float]], split: str) -> dict:
@@ -621,17 +642,18 @@ def chosen_rows(records: Sequence[dict]) -> list[dict]:
     return chosen
 
 
-def summarize_merges(documents: Sequence[Mapping]) -> list[MergeRow]:
-    """One row per model (merges: per method) over the fine-tune sets ``documents``."""
-    domains = documents[0]["domains"]
-    if any(document["domains"] != domains for document in documents):
+def summarize_merges(documents: Mapping[str, Mapping]) -> list[MergeRow]:
+    """One row per model (merges: per method) over the fine-tune sets ``documents`` (by name)."""
+    domains = next(iter(documents.values()))["domains"]
+    if any(document["domains"] != domains for document in documents.values()):
         raise ValueError("merge comparisons over different domains cannot be combined")
-    grouped: dict[str, list[dict]] = defaultdict(list)
-    for document in documents:
+    grouped: dict[str, dict[str, dict]] = defaultdict(dict)
+    for name, document in documents.items():
         for row in chosen_rows(merge_records(document)):
-            grouped[row["method"] or row["label"]].append(row)
+            grouped[row["method"] or row["label"]][name] = row
     summary = []
-    for label, rows in grouped.items():
+    for label, by_set in grouped.items():
+        rows = list(by_set.values())
         summary.append(
             MergeRow(
                 label=label,
@@ -639,12 +661,21 @@ def summarize_merges(documents: Sequence[Mapping]) -> list[MergeRow]:
                 scales=tuple(row["scale"] for row in rows if row["scale"] is not None),
                 domain_loss={d: spread([row[f"loss_{d}"] for row in rows]) for d in domains},
                 loss=spread([row["loss"] for row in rows]),
-                normalized=spread([row["normalized"] for row in rows]),
+                normalized_by_set={name: row["normalized"] for name, row in by_set.items()},
                 gain_kept=spread([row["gain_kept"] for row in rows]),
             )
         )
     order = {"base": 0, "finetuned": 1, "merge": 2}
     return sorted(summary, key=lambda r: (order[r.kind], -r.normalized.mean))
+
+
+def normalized_difference(row: MergeRow, reference: MergeRow | None) -> str:
+    """``row - reference`` in normalized score, paired by fine-tune set (see
+    :func:`paired_difference`); empty for the reference itself or the non-merges."""
+    if reference is None or row is reference or row.kind != "merge":
+        return ""
+    delta, significant = paired_difference(row.normalized_by_set, reference.normalized_by_set)
+    return f"{delta:+.4f}" + {True: "", False: " n.s.", None: " ?"}[significant]
 
 
 def merge_table(summary: Sequence[MergeRow], domains: Sequence[str], sets: int) -> Table:
@@ -656,8 +687,9 @@ def merge_table(summary: Sequence[MergeRow], domains: Sequence[str], sets: int) 
     table.add_column("scale", justify="right")
     for domain in domains:
         table.add_column(f"loss {domain}", justify="right")
-    for column in ("mean loss", "normalized", "gain kept"):
+    for column in ("mean loss", "normalized", f"vs {REFERENCE_MERGE}", "gain kept"):
         table.add_column(column, justify="right")
+    reference = next((row for row in summary if row.label == REFERENCE_MERGE), None)
     for row in summary:
         table.add_row(
             row.label,
@@ -665,12 +697,15 @@ def merge_table(summary: Sequence[MergeRow], domains: Sequence[str], sets: int) 
             *(format_loss(row.domain_loss[domain]) for domain in domains),
             format_loss(row.loss),
             format_loss(row.normalized),
+            normalized_difference(row, reference),
             format_loss(row.gain_kept),
         )
     table.caption = (
         "normalized = mean over domains of (fine-tune's loss on its domain / model's loss); "
         "gain kept = sum of (base - model) / sum of (base - fine-tune) over domains; "
-        "1 = as good as the fine-tunes. Scale chosen per method on the select halves."
+        "1 = as good as the fine-tunes. Scale chosen per method on the select halves. "
+        f"vs {REFERENCE_MERGE}: normalized difference paired by fine-tune set; n.s. = within the "
+        "std of the per-set differences; ? = one set."
     )
     return table
 
@@ -689,27 +724,29 @@ def merge_summary_records(summary: Sequence[MergeRow]) -> list[dict]:
     return records
 
 
-def plot_merges(documents: Sequence[Mapping], summary: Sequence[MergeRow], path: Path) -> None:
-    """Left: normalized score per method at its chosen scale (error bars: std over fine-tune
-    sets; dashed: the base; dotted: 1 = the fine-tunes). Right: select-half normalized score
-    against scale per method."""
+def plot_merges(documents: Mapping[str, Mapping], summary: Sequence[MergeRow], path: Path) -> None:
+    """Left: normalized score per method at its chosen scale (bars: mean over fine-tune sets,
+    dots: each set; dashed: the base; dotted: 1 = the fine-tunes). Right: select-half
+    normalized score against scale per method (mean over sets)."""
     plt = pyplot()
     figure, (bars, curves) = plt.subplots(1, 2, figsize=(12, 4.5))
     merges = [row for row in summary if row.kind == "merge"]
-    errors = [0.0 if math.isnan(r.normalized.std) else r.normalized.std for r in merges]
-    bars.bar([r.label for r in merges], [r.normalized.mean for r in merges], yerr=errors,
-             capsize=3, color="tab:blue")  # fmt: skip
+    labels = [r.label for r in merges]
+    bars.bar(labels, [r.normalized.mean for r in merges], color="tab:blue", alpha=0.8)
+    for label, row in zip(labels, merges, strict=True):
+        values = list(row.normalized_by_set.values())
+        bars.plot([label] * len(values), values, "o", color="black", markersize=3)
     base = next((row for row in summary if row.kind == "base"), None)
     if base is not None:
         bars.axhline(base.normalized.mean, color="black", linestyle="--", label="base")
     bars.axhline(1.0, color="gray", linestyle=":", label="fine-tunes")
-    low = min([r.normalized.mean for r in merges] + [base.normalized.mean if base else 1.0])
+    low = min([r.normalized.low for r in merges] + [base.normalized.low if base else 1.0])
     bars.set_ylim(low - 0.02, 1.01)
     bars.set_ylabel("normalized score (test halves)")
     bars.set_title("Merge methods at their chosen scale")
     bars.tick_params(axis="x", rotation=30)
     bars.legend(fontsize=8)
-    records = [r for document in documents for r in merge_records(document)]
+    records = [r for document in documents.values() for r in merge_records(document)]
     for method in dict.fromkeys(r["method"] for r in records if r["kind"] == "merge"):
         by_scale: dict[float, list[float]] = defaultdict(list)
         for r in records:
@@ -736,20 +773,22 @@ def report_merges(
     """Tables (merge_results.csv: every model, scale and split; merge_summary.csv and
     merge_results.json: the chosen rows) and merging.png from the ``evaluations.json`` of one or
     more merge comparisons (fine-tune sets, e.g. seeds), written to ``out``."""
-    documents = []
+    documents = {}
     for folder in folders:
         path = Path(folder) / EVALUATIONS
         if not path.is_file():
             raise FileNotFoundError(
                 f"{path}: not a merge comparison (run mloco compare --mode merge)"
             )
-        documents.append(json.loads(path.read_text()))
+        if Path(folder).name in documents:
+            raise ValueError(f"merge folders need distinct names: {Path(folder).name} twice")
+        documents[Path(folder).name] = json.loads(path.read_text())
     out = Path(out)
     summary = summarize_merges(documents)
-    domains = documents[0]["domains"]
+    domains = next(iter(documents.values()))["domains"]
     records = [
-        {"set": Path(folder).name, **row}
-        for folder, document in zip(folders, documents, strict=True)
+        {"set": name, **row}
+        for name, document in documents.items()
         for row in merge_records(document)
     ]
     columns = ["set", "label", "kind", "method", "scale", "split"]
@@ -759,7 +798,7 @@ def report_merges(
     summary_rows = merge_summary_records(summary)
     write_atomic(out / "merge_summary.csv", csv_text(summary_rows, list(summary_rows[0])))
     document = {
-        "sets": [Path(folder).name for folder in folders],
+        "sets": list(documents),
         "domains": domains,
         "summary": summary_rows,
         "models": [{key: json_value(value) for key, value in r.items()} for r in records],

@@ -153,21 +153,34 @@ def test_stopped_sweep_resumes_and_never_reruns_finished_cells(tmp_path, domains
         compare.run_sweep(other, tmp_path, figures=False)
 
 
-def test_diverged_cell_is_recorded_not_raised(tmp_path, monkeypatch):
-    def diverging_train(config, progress=True):
+def test_failed_cells_are_recorded_not_raised(tmp_path, monkeypatch):
+    errors = {"diloco": FloatingPointError("round 1: train loss is nan"),
+              "iso-cts": torch.linalg.LinAlgError("linalg.svd: failed to converge")}  # fmt: skip
+
+    def failing_train(config, progress=True):
         Path(config.out).mkdir(parents=True)
         (Path(config.out) / "config.json").write_text(json.dumps(config.to_dict()))
-        raise FloatingPointError("round 1: train loss is nan")
+        raise errors[config.preset]
 
-    monkeypatch.setattr(compare, "train", diverging_train)
-    sweep = Sweep(["diloco"], [2], inner_steps=[2], baseline=False, shared={**TOY, "tokens": 512})
+    monkeypatch.setattr(compare, "train", failing_train)
+    sweep = Sweep(["diloco", "iso-cts"], [2], inner_steps=[2], baseline=False,
+                  shared={**TOY, "tokens": 512})  # fmt: skip
     compare.run_sweep(sweep, tmp_path, figures=False)
-    run = report.load_run(tmp_path / "runs" / "diloco-R2-H2-s0")
-    assert run.status == "diverged" and run.val_loss == math.inf
+    for name, error in (("diloco", "FloatingPointError"), ("iso-cts", "LinAlgError")):
+        run = report.load_run(tmp_path / "runs" / f"{name}-R2-H2-s0")
+        assert run.status == "failed" and run.val_loss == math.inf
+        saved = json.loads((tmp_path / "runs" / f"{name}-R2-H2-s0" / "failed.json").read_text())
+        assert error in saved["error"]
     calls = []
     monkeypatch.setattr(compare, "train", lambda config, progress=True: calls.append(config))
     compare.run_sweep(sweep, tmp_path, figures=False)
-    assert calls == []  # diverged counts as finished
+    assert calls == []  # a failed cell counts as finished
+
+    # other errors are the sweep's: they stop it
+    monkeypatch.setattr(compare, "train", lambda config, progress=True: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        compare.run_sweep(Sweep(["tsv"], [2], inner_steps=[2], baseline=False,
+                                shared={**TOY, "tokens": 512}), tmp_path)  # fmt: skip
 
 
 # -- merge mode -----------------------------------------------------------------------------------
