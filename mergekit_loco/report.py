@@ -330,6 +330,7 @@ def write_atomic(path: Path, data: str | bytes) -> None:
     try:
         with os.fdopen(fd, mode) as handle:
             handle.write(data)
+        os.chmod(temp, 0o644)  # mkstemp makes it private
         os.replace(temp, path)
     except BaseException:
         Path(temp).unlink(missing_ok=True)
