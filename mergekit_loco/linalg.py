@@ -15,10 +15,17 @@ NS_STEPS = 5
 def thin_svd(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``matrix = U diag(s) Vh`` with U: m x d, s: d (descending), Vh: d x n.
 
-    Computed (and returned) in float32 at least: there is no half-precision SVD kernel.
+    Computed (and returned) in float32 at least: there is no half-precision SVD kernel. If the
+    float32 SVD fails to converge, it is retried in float64.
     """
     compute = torch.promote_types(matrix.dtype, torch.float32)
-    return torch.linalg.svd(matrix.to(compute), full_matrices=False)
+    try:
+        return torch.linalg.svd(matrix.to(compute), full_matrices=False)
+    except torch.linalg.LinAlgError:  # LAPACK's float32 divide-and-conquer can fail to converge
+        if compute == torch.float64:
+            raise
+        factors = torch.linalg.svd(matrix.to(torch.float64), full_matrices=False)
+        return tuple(factor.to(compute) for factor in factors)
 
 
 def polar_factor(matrix: torch.Tensor) -> torch.Tensor:

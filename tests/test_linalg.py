@@ -196,3 +196,24 @@ def test_numerical_rank_of_float32_and_empty():
     matrix = low_rank_matrix((10, 6), rank=4, seed=15).float()
     assert numerical_rank(torch.linalg.svdvals(matrix), matrix.shape) == 4
     assert numerical_rank(torch.zeros(0), (0, 3)) == 0
+
+
+def test_thin_svd_retries_in_float64_when_float32_does_not_converge(monkeypatch):
+    """A float32 LAPACK failure (seen once on an Iso-CTS basis) falls back to float64."""
+    real_svd = torch.linalg.svd
+    calls = []
+
+    def flaky_svd(matrix, full_matrices=True):
+        calls.append(matrix.dtype)
+        if matrix.dtype == torch.float32:
+            raise torch.linalg.LinAlgError("failed to converge")
+        return real_svd(matrix, full_matrices=full_matrices)
+
+    monkeypatch.setattr(torch.linalg, "svd", flaky_svd)
+    matrix = torch.randn(5, 3, generator=torch.Generator().manual_seed(0))
+    left, singular, right_h = thin_svd(matrix)
+    assert calls == [torch.float32, torch.float64]
+    assert left.dtype == singular.dtype == right_h.dtype == torch.float32
+    expected = np.linalg.svd(matrix.double().numpy(), compute_uv=False)
+    np.testing.assert_allclose(singular.numpy(), expected, rtol=1e-6)
+    np.testing.assert_allclose((left * singular) @ right_h, matrix, atol=1e-5)
