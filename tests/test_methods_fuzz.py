@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_methods import is_degenerate
 
 from mergekit_loco import get_method
 
@@ -52,18 +53,6 @@ def merge_inputs(draw) -> list[torch.Tensor]:
     else:
         values = np.zeros((tasks, *shape))
     return [torch.from_numpy(scale * v).to(dtype) for v in values]
-
-
-def expected_degenerate(name: str, params: dict, shape, tasks: int) -> bool:
-    if len(shape) != 2:
-        return False
-    d = min(shape)
-    if name == "tsv":
-        return int(d * (1 / tasks)) == 0
-    if name == "iso-cts":
-        common = int(d * params.get("common_fraction", 0.8))
-        return d - round((d - common) / tasks) * tasks < 0
-    return False
 
 
 def trimmed(values: np.ndarray, density: float) -> np.ndarray:
@@ -135,7 +124,7 @@ def check_invariant(name, params, deltas: list[np.ndarray], merged: np.ndarray, 
 def test_method_on_random_inputs(name, params, deltas):
     method = get_method(name, **params)
     shape, dtype = deltas[0].shape, deltas[0].dtype
-    if expected_degenerate(name, params, shape, len(deltas)):
+    if is_degenerate(name, params, shape, len(deltas)):
         with pytest.raises(ValueError, match="'fuzz.w'"):
             method.merge_tensor("fuzz.w", deltas)
         return
