@@ -25,6 +25,7 @@ import torch
 from rich.console import Console
 
 from mergekit_loco import evaluate, report
+from mergekit_loco.io.atomic import write_atomically
 from mergekit_loco.merge import merge_checkpoints
 from mergekit_loco.methods import get_method
 from mergekit_loco.train.checkpoint import latest_checkpoint
@@ -190,7 +191,7 @@ def run_cell(sweep: Sweep, cell: Cell, run_dir: Path, progress: bool = False) ->
         outcome = "resumed" if resumable else "ran"
     except (FloatingPointError, torch.linalg.LinAlgError) as error:
         failure = {"error": f"{type(error).__name__}: {error}"}
-        report.write_atomic(run_dir / report.FAILED_FILE, json.dumps(failure) + "\n")
+        write_atomically(run_dir / report.FAILED_FILE, json.dumps(failure) + "\n")
         outcome = "failed"
     shutil.rmtree(run_dir / CHECKPOINTS, ignore_errors=True)
     return outcome
@@ -358,5 +359,5 @@ def compare_merges(
         "seq_len": seq_len,
         "models": records,
     }
-    report.write_atomic(out / report.EVALUATIONS, json.dumps(document, indent=2) + "\n")
+    write_atomically(out / report.EVALUATIONS, json.dumps(document, indent=2) + "\n")
     return report.report_merges([out], out, console=console, figures=figures)

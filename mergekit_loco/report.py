@@ -11,8 +11,6 @@ import csv
 import io
 import json
 import math
-import os
-import tempfile
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -20,6 +18,8 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+
+from mergekit_loco.io.atomic import write_atomically
 
 #: the preset of the data-parallel AdamW baseline every sweep is compared with.
 BASELINE = "dp"
@@ -322,21 +322,6 @@ def sweep_table(summary: Sequence[SummaryRow]) -> Table | None:
 
 
 # -- files ------------------------------------------------------------------------------------
-def write_atomic(path: Path, data: str | bytes) -> None:
-    """Write ``data`` to a temp file beside ``path``, then rename it over ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    mode = "wb" if isinstance(data, bytes) else "w"
-    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, mode) as handle:
-            handle.write(data)
-        os.chmod(temp, 0o644)  # mkstemp makes it private
-        os.replace(temp, path)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
-
-
 def csv_text(rows: Sequence[dict], columns: Sequence[str]) -> str:
     buffer = io.StringIO()
     writer = csv.DictWriter(
@@ -389,14 +374,14 @@ SUMMARY_COLUMNS = (
 
 def write_sweep_tables(runs: Sequence[Run], summary: Sequence[SummaryRow], out: Path) -> None:
     """``results.csv`` (one row per run), ``summary.csv`` and ``results.json`` (both)."""
-    write_atomic(out / "results.csv", csv_text([run.row() for run in runs], RUN_COLUMNS))
+    write_atomically(out / "results.csv", csv_text([run.row() for run in runs], RUN_COLUMNS))
     records = summary_records(summary)
-    write_atomic(out / "summary.csv", csv_text(records, SUMMARY_COLUMNS) if records else "")
+    write_atomically(out / "summary.csv", csv_text(records, SUMMARY_COLUMNS) if records else "")
     document = {
         "runs": [{k: json_value(v) for k, v in run.row().items()} for run in runs],
         "summary": records,
     }
-    write_atomic(out / "results.json", json.dumps(document, indent=2) + "\n")
+    write_atomically(out / "results.json", json.dumps(document, indent=2) + "\n")
 
 
 # -- figures ----------------------------------------------------------------------------------
@@ -417,7 +402,7 @@ def pyplot():
 def save_figure(figure, path: Path) -> None:
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=120, bbox_inches="tight")
-    write_atomic(path, buffer.getvalue())
+    write_atomically(path, buffer.getvalue())
 
 
 def aggregator_colors(plt, summary: Sequence[SummaryRow]) -> dict[str, str]:
@@ -795,16 +780,16 @@ def report_merges(
     columns = ["set", "label", "kind", "method", "scale", "split"]
     columns += [f"loss_{d}" for d in domains] + [f"normalized_{d}" for d in domains]
     columns += ["loss", "normalized", "gain_kept"]
-    write_atomic(out / "merge_results.csv", csv_text(records, columns))
+    write_atomically(out / "merge_results.csv", csv_text(records, columns))
     summary_rows = merge_summary_records(summary)
-    write_atomic(out / "merge_summary.csv", csv_text(summary_rows, list(summary_rows[0])))
+    write_atomically(out / "merge_summary.csv", csv_text(summary_rows, list(summary_rows[0])))
     document = {
         "sets": list(documents),
         "domains": domains,
         "summary": summary_rows,
         "models": [{key: json_value(value) for key, value in r.items()} for r in records],
     }
-    write_atomic(out / "merge_results.json", json.dumps(document, indent=2) + "\n")
+    write_atomically(out / "merge_results.json", json.dumps(document, indent=2) + "\n")
     if figures:
         plot_merges(documents, summary, out / "merging.png")
     if console is not None:

@@ -23,7 +23,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +30,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from mergekit_loco.io.atomic import write_atomically
 from mergekit_loco.train.workers import WorkerGroup
 
 CHECKPOINTS = "checkpoints"
@@ -96,18 +96,6 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def write_text_atomically(path: Path, text: str) -> None:
-    """Temp file in the same folder, then ``os.replace``."""
-    handle, staging = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w") as stream:
-            stream.write(text)
-        os.replace(staging, path)
-    finally:
-        if os.path.exists(staging):
-            os.remove(staging)
-
-
 def save_checkpoint(out: str | Path, state: Checkpoint, group: WorkerGroup, keep: int = 2) -> Path:
     """Write ``state`` (every process its own part) as ``OUT/checkpoints/round-XXXXXX``."""
     root = Path(out) / CHECKPOINTS
@@ -146,7 +134,7 @@ def save_checkpoint(out: str | Path, state: Checkpoint, group: WorkerGroup, keep
         if final.exists():  # an earlier run reached this round and was not resumed from it
             shutil.rmtree(final)
         os.replace(staging, final)
-        write_text_atomically(root / LATEST, final.name + "\n")
+        write_atomically(root / LATEST, final.name + "\n")
         prune(root, keep, final.name)
     group.barrier()
     return final

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from mergekit_loco.io.atomic import write_atomically
 from mergekit_loco.train.sources import (
     Document,
     cache_root,
@@ -211,7 +213,9 @@ def prepare_data(
         cached = _tokenize_split(
             documents, tokenizer_object, eos_id, spec, max_train_tokens, val_tokens, seed
         )
-        _save_atomically(cached, path)
+        buffer = io.BytesIO()
+        torch.save(cached, buffer)
+        write_atomically(path, buffer.getvalue())
     description = (
         f"{spec}: {cached['documents']} documents ({len(cached['val_documents'])} held out), "
         f"{cached['train'].numel():,} train and {cached['val'].numel():,} val tokens, "
@@ -283,19 +287,6 @@ def _encoded_documents(
         texts = [document.read() for document in documents[start : start + _ENCODE_CHUNK]]
         for ids in encode(texts):
             yield [*ids, eos_id]
-
-
-def _save_atomically(payload: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, staging = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(handle)
-    try:
-        torch.save(payload, staging)
-        os.chmod(staging, 0o644)
-        os.replace(staging, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(staging)
 
 
 def worker_shard(tokens: torch.Tensor, worker: int, workers: int) -> torch.Tensor:

@@ -29,6 +29,7 @@ from transformers import LlamaForCausalLM, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from mergekit_loco.io import open_checkpoint
+from mergekit_loco.io.atomic import write_atomically
 from mergekit_loco.methods import METHODS
 from mergekit_loco.task_vector import TaskVector
 from mergekit_loco.train.checkpoint import (
@@ -39,7 +40,6 @@ from mergekit_loco.train.checkpoint import (
     restore_rng_state,
     rng_state,
     save_checkpoint,
-    write_text_atomically,
 )
 from mergekit_loco.train.collectives import modelled_comm_stats
 from mergekit_loco.train.config import TrainConfig
@@ -143,7 +143,7 @@ def train(config: TrainConfig, progress: bool = True) -> TrainResult:
         claim_output(out, config, group)
         metrics = MetricsLog(out / METRICS, group.is_main, keep_until_round=start_round)
         if group.is_main:
-            write_text_atomically(out / CONFIG, json.dumps(config.to_dict(), indent=2) + "\n")
+            write_atomically(out / CONFIG, json.dumps(config.to_dict(), indent=2) + "\n")
 
         def checkpoint(completed_rounds: int) -> Path:
             state = Checkpoint(
@@ -615,7 +615,7 @@ class MetricsLog:
                 and json.loads(line).get("event") != "final"
                 and json.loads(line).get("round", 0) <= keep_until_round
             ]
-            write_text_atomically(path, "".join(f"{line}\n" for line in kept))
+            write_atomically(path, "".join(f"{line}\n" for line in kept))
 
     def write(self, **event) -> None:
         if self.enabled:
