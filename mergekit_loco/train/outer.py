@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
 from mergekit_loco.methods import MergeMethod, get_method
-from mergekit_loco.methods.base import is_matrix
 from mergekit_loco.task_vector import TaskVector
-from mergekit_loco.train.collectives import CommStats, last_comm_stats, merge_across_ranks
-
-
-def matrices_divided(delta: TaskVector, workers: int) -> TaskVector:
-    """``tau / R`` on matrices, ``tau`` elsewhere: Iso-C / Iso-CTS act on the workers' mean, so
-    their spectral (matrix) step sees ``tau_i / R`` while non-matrix tensors, which they average,
-    stay as they are (the reference code averages those raw deltas)."""
-    return TaskVector({n: d / workers if is_matrix(d) else d for n, d in delta.items()})
+from mergekit_loco.train.aggregate import CommStats, aggregate_worker_deltas
 
 
 class OuterOptimizer:
@@ -72,31 +63,15 @@ class OuterOptimizer:
         self.momentum_buffers: dict[str, torch.Tensor] = {}
 
     # -- aggregation --------------------------------------------------------------------------
-    def _world_size(self) -> int:
-        if not dist.is_available() or not dist.is_initialized():
-            return 1
-        return dist.get_world_size(self.process_group)
-
-    def _method_for_this_step(self) -> MergeMethod:
-        """Seeded methods (DARE) draw fresh masks every round: seed + step."""
-        if "seed" in self.method.parameter_names():
-            return dataclasses.replace(self.method, seed=self.method.seed + self.steps_taken)
-        return self.method
-
     def aggregate(self, deltas: Sequence[TaskVector]) -> TaskVector:
         """The merged delta of all workers (this rank's ``deltas`` plus the other ranks')."""
-        if not deltas:
-            raise ValueError("outer step needs at least one worker delta on every rank")
-        total_workers = len(deltas) * self._world_size()
-        if self.method.aggregates_mean:
-            deltas = [matrices_divided(delta, total_workers) for delta in deltas]
-        merged = merge_across_ranks(
-            self._method_for_this_step(),
+        merged, self.last_comm_stats = aggregate_worker_deltas(
+            self.method,
             deltas,
+            round_index=self.steps_taken,
             group=self.process_group,
             compression=self.compression,
         )
-        self.last_comm_stats = last_comm_stats()
         return merged
 
     # -- step ---------------------------------------------------------------------------------
