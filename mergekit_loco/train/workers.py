@@ -78,6 +78,11 @@ class InnerOptimizer:
         """The learning rate of the next step."""
         return self.optimizers[0].param_groups[0]["lr"]
 
+    def register_step_post_hook(self, hook):
+        """torch's hook on the last optimizer's step: it runs once every parameter has stepped
+        (how the DiLoCo driver counts inner steps)."""
+        return self.optimizers[-1].register_step_post_hook(hook)
+
     def step(self) -> None:
         """One optimizer step, one schedule step, gradients cleared."""
         for optimizer in self.optimizers:
@@ -187,7 +192,8 @@ class WorkerGroup:
 
 
 class SimulatedWorkers(WorkerGroup):
-    """All R workers in this process, one after another."""
+    """All R workers in this process, one after another: the DiLoCo driver gets their R inner
+    optimizers and ends a worker's turn every H steps (train/diloco.py), as under torchrun."""
 
 
 class TorchrunWorkers(WorkerGroup):
@@ -204,7 +210,8 @@ class TorchrunWorkers(WorkerGroup):
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
             torch.cuda.set_device(device)
         super().__init__(workers, device)
-        if not dist.is_initialized():
+        self.created_process_group = not dist.is_initialized()
+        if self.created_process_group:
             self._collective(
                 "joining the process group",
                 dist.init_process_group,
@@ -262,7 +269,8 @@ class TorchrunWorkers(WorkerGroup):
             )
 
     def close(self) -> None:
-        if dist.is_initialized():
+        """Destroy the process group if this object created it (never one it found)."""
+        if self.created_process_group and dist.is_initialized():
             dist.destroy_process_group()
 
 

@@ -1,0 +1,227 @@
+"""DiLoCo around any training loop: every ``sync_every`` inner steps, a merge method aggregates the
+workers' deltas and a torch optimizer takes the outer step.
+
+```python
+with DiLoCo(model, inner, outer, aggregator="iso-c", sync_every=30):
+    for batch in loader:  # the user's loop, unchanged
+        loss_fn(model, batch).backward(); inner.step(); inner.zero_grad()
+```
+
+One outer step, for the trainable parameters theta (frozen ones and ``exclude`` stay as they are):
+``tau_i = theta_i - theta`` for the R workers (all ranks of ``process_group``);
+``merged = aggregate(tau_1..tau_R)`` (train/aggregate.py: ``aggregate_worker_deltas``);
+``theta.grad = -merged`` (the pseudo-gradient); ``outer.step()`` from theta. With
+``torch.optim.SGD(lr, momentum, nesterov)`` this is the DiLoCo outer step of the paper.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mergekit_loco.methods import MergeMethod, get_method
+from mergekit_loco.task_vector import TaskVector
+from mergekit_loco.train.aggregate import CommStats, aggregate_worker_deltas
+
+
+def resolve_aggregator(
+    aggregator: str | MergeMethod, options: Mapping[str, Any] | None = None
+) -> MergeMethod:
+    """A method object as given, or ``get_method(name, **options)``."""
+    if isinstance(aggregator, MergeMethod):
+        if options:
+            raise ValueError("pass aggregator options to get_method, not with a method object")
+        return aggregator
+    return get_method(aggregator, **dict(options or {}))
+
+
+@torch.no_grad()
+def apply_pseudo_gradient(
+    merged: TaskVector, params: Mapping[str, torch.Tensor], outer: torch.optim.Optimizer
+) -> None:
+    """``p.grad = -merged[name]`` (in p's dtype) for every ``params`` entry, ``outer.step()``,
+    gradients cleared. Raises FloatingPointError naming the tensor, before any change, if the
+    pseudo-gradient is not finite."""
+    for name in params:
+        if name in merged and not torch.isfinite(merged[name]).all():
+            raise FloatingPointError(f"non-finite pseudo-gradient for {name!r}; params kept")
+    for name, param in params.items():
+        if name in merged:
+            param.grad = -merged[name].to(device=param.device, dtype=param.dtype)
+    outer.step()
+    outer.zero_grad(set_to_none=True)
+
+
+class DiLoCo:
+    """The DiLoCo driver: hooks ``inner_optimizer.step`` and runs the outer step every
+    ``sync_every`` inner steps (a context manager; :meth:`sync` by hand also works).
+
+    ``inner_optimizer`` may be a sequence of V optimizers over the same ``model``: V simulated
+    workers on this rank that take turns of ``sync_every`` steps each, in order; after each turn
+    the model is reset to the global parameters, and after the V-th the V deltas (with every
+    other rank's) are aggregated. One optimizer is one worker. Workers per outer step:
+    ``R = V * world size of process_group`` (no initialised torch.distributed: one rank).
+
+    ``backup_device`` keeps the global parameters (and so the deltas' reference) on another
+    device, e.g. "cpu". The driver never creates nor destroys a process group.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        inner_optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+        outer_optimizer: torch.optim.Optimizer,
+        aggregator: str | MergeMethod = "iso-c",
+        sync_every: int = 30,
+        process_group: dist.ProcessGroup | None = None,
+        aggregator_options: Mapping[str, Any] | None = None,
+        compression: str | None = None,
+        backup_device: torch.device | str | None = None,
+        exclude: Iterable[str] = (),
+    ):
+        if sync_every < 1:
+            raise ValueError(f"sync_every must be >= 1, got {sync_every}")
+        if compression not in (None, "bf16", "int8"):
+            raise ValueError(f"compression must be bf16 or int8, not {compression!r}")
+        named = dict(model.named_parameters())
+        excluded = set(exclude)
+        unknown = sorted(excluded - set(named))
+        if unknown:
+            raise ValueError(f"exclude names {unknown[0]!r}, which is not a parameter of the model")
+        self.params = {
+            name: p for name, p in named.items() if p.requires_grad and name not in excluded
+        }
+        trainable = {id(p) for p in self.params.values()}
+        for group in outer_optimizer.param_groups:
+            if any(id(p) not in trainable for p in group["params"]):
+                raise ValueError(
+                    "outer_optimizer holds a tensor that is not a trainable, non-excluded "
+                    "parameter of the model"
+                )
+        self.model = model
+        self.inner_optimizers = (
+            list(inner_optimizer) if isinstance(inner_optimizer, Sequence) else [inner_optimizer]
+        )
+        self.outer_optimizer = outer_optimizer
+        self.method = resolve_aggregator(aggregator, aggregator_options)
+        self.sync_every = sync_every
+        self.process_group = process_group
+        self.compression = compression
+        self.global_params = {
+            name: p.detach().to(backup_device or p.device, copy=True)
+            for name, p in self.params.items()
+        }
+        self.local_steps = 0  # inner steps of the current turn
+        self.outer_steps = 0
+        self.pending: list[TaskVector] = []  # this rank's finished turns of the current round
+        self.last_comm_stats: CommStats | None = None
+        self.last_outer_seconds = 0.0  # wall time of the last outer step, aggregation included
+        self._hooks: list = []
+
+    # -- hooks ------------------------------------------------------------------------------------
+    def __enter__(self) -> DiLoCo:
+        self._hooks = [
+            optimizer.register_step_post_hook(self._after_inner_step)
+            for optimizer in self.inner_optimizers
+        ]
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    def _after_inner_step(self, optimizer, args, kwargs) -> None:
+        self.local_steps += 1
+        if self.local_steps == self.sync_every:
+            self.end_turn()
+
+    # -- the outer step ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def local_delta(self) -> TaskVector:
+        """``tau = theta_worker - theta_global`` for every driven parameter."""
+        return TaskVector(
+            {
+                name: p.detach() - self.global_params[name].to(p.device)
+                for name, p in self.params.items()
+            }
+        )
+
+    @torch.no_grad()
+    def restore_global(self) -> None:
+        """Load the global parameters into the model."""
+        for name, param in self.params.items():
+            param.copy_(self.global_params[name])
+
+    def end_turn(self) -> TaskVector | None:
+        """Close this worker's turn: keep its delta, reset the model to the global parameters;
+        after the last local worker's turn run the outer step (returns its merged delta)."""
+        self.local_steps = 0
+        self.pending.append(self.local_delta())
+        self.restore_global()
+        if len(self.pending) < len(self.inner_optimizers):
+            return None
+        deltas, self.pending = self.pending, []
+        return self.outer_step(deltas)
+
+    def sync(self) -> TaskVector:
+        """End the current turn now (one worker per rank) and take the outer step."""
+        merged = self.end_turn()
+        if merged is None:
+            raise RuntimeError(f"sync() with {len(self.pending)} of the local workers' turns done")
+        return merged
+
+    @torch.no_grad()
+    def outer_step(self, local_deltas: Sequence[TaskVector]) -> TaskVector:
+        """Aggregate this rank's ``local_deltas`` with every other rank's and step the outer
+        optimizer from the global parameters; the model ends on the new global parameters."""
+        started = time.perf_counter()
+        merged, self.last_comm_stats = aggregate_worker_deltas(
+            self.method,
+            local_deltas,
+            round_index=self.outer_steps,
+            group=self.process_group,
+            compression=self.compression,
+        )
+        self.restore_global()
+        apply_pseudo_gradient(merged, self.params, self.outer_optimizer)
+        for name, param in self.params.items():
+            self.global_params[name].copy_(param.detach())
+        self.outer_steps += 1
+        if any(p.device.type == "cuda" for p in self.params.values()):
+            torch.cuda.synchronize()
+        self.last_outer_seconds = time.perf_counter() - started
+        return merged
+
+    # -- state ------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Global parameters, counters, unfinished turns and the outer optimizer's state."""
+        return {
+            "global_params": {n: t.detach().clone() for n, t in self.global_params.items()},
+            "local_steps": self.local_steps,
+            "outer_steps": self.outer_steps,
+            "pending": [dict(delta.items()) for delta in self.pending],
+            "outer": copy.deepcopy(self.outer_optimizer.state_dict()),
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`; at a turn boundary the model gets the global parameters
+        too (mid-turn, load the model's own state after this)."""
+        saved = state["global_params"]
+        if set(saved) != set(self.global_params):
+            missing = sorted(set(self.global_params) ^ set(saved))[0]
+            raise ValueError(f"DiLoCo state does not fit the model: tensor {missing!r} differs")
+        for name, tensor in self.global_params.items():
+            tensor.copy_(saved[name])
+        self.local_steps = int(state["local_steps"])
+        self.outer_steps = int(state["outer_steps"])
+        self.pending = [TaskVector(dict(delta)) for delta in state.get("pending", [])]
+        self.outer_optimizer.load_state_dict(state["outer"])
+        if self.local_steps == 0:
+            self.restore_global()

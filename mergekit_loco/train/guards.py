@@ -1,0 +1,108 @@
+"""What stops a run on purpose, and the one-line messages that name the last good checkpoint.
+
+Divergence (a non-finite train loss or pseudo-gradient, exploding global parameters), a data
+shard too short for the rounds left, a lost torchrun peer, a signal (docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from mergekit_loco.train.config import TrainConfig
+from mergekit_loco.train.data import DataExhausted
+from mergekit_loco.train.signals import TrainingInterrupted
+from mergekit_loco.train.workers import PeerLost, Worker
+
+#: A round whose global parameters end more than this many times larger (L2 norm) than they
+#: started has diverged: healthy rounds change the norm by under 20 % (every preset, measured).
+EXPLOSION_GROWTH = 1000.0
+
+
+class TrainingDiverged(FloatingPointError):
+    """A non-finite train loss or pseudo-gradient, or exploding global parameters; the message
+    names the round and the last good checkpoint."""
+
+
+class RunPosition(Protocol):
+    round_number: int  # the round running now (1-based)
+    last_saved: tuple[int, Path | None]  # (round, checkpoint) of the newest checkpoint
+    distributed: bool
+
+
+@contextmanager
+def naming_the_last_checkpoint(run: RunPosition) -> Iterator[None]:
+    """Re-raise a run's failure with the round it happened in and the checkpoint to resume
+    from: divergence as TrainingDiverged, a failed collective as PeerLost."""
+    try:
+        yield
+    except TrainingInterrupted as interrupt:
+        raise TrainingInterrupted(resume_message(str(interrupt), run.last_saved)) from None
+    except TrainingDiverged as error:
+        raise TrainingDiverged(f"{error}; stopping. {last_good_message(run.last_saved)}") from None
+    except FloatingPointError as error:  # the outer step's non-finite pseudo-gradient
+        raise TrainingDiverged(
+            f"round {run.round_number}: {error}; stopping. {last_good_message(run.last_saved)}"
+        ) from None
+    except RuntimeError as error:  # a collective failed, or a peer died or hung
+        if isinstance(error, PeerLost) or (
+            run.distributed and isinstance(error.__cause__, RuntimeError)
+        ):
+            raise PeerLost(
+                f"round {run.round_number}: {error}. {last_good_message(run.last_saved)} Restart "
+                "every process with --resume to continue from it."
+            ) from error
+        raise
+
+
+def check_finite_loss(train_loss: float, round_number: int) -> None:
+    if not math.isfinite(train_loss):
+        raise TrainingDiverged(f"round {round_number}: train loss is {train_loss}")
+
+
+def parameter_norm(params: Mapping[str, torch.Tensor]) -> float:
+    """``sqrt(sum_n ||p_n||^2)``, accumulated in float64; inf or nan if any entry is."""
+    norms = [torch.linalg.vector_norm(t, dtype=torch.float64) for t in params.values()]
+    return torch.linalg.vector_norm(torch.stack(norms)).item()
+
+
+def check_not_exploded(norm_before: float, norm_after: float, round_number: int) -> None:
+    """Raise TrainingDiverged if the round left non-finite parameters or multiplied their norm
+    by more than :data:`EXPLOSION_GROWTH` (before any checkpoint of this round is written)."""
+    if not math.isfinite(norm_after) or norm_after > EXPLOSION_GROWTH * norm_before:
+        raise TrainingDiverged(
+            f"round {round_number}: the global parameters exploded (L2 norm {norm_before:.4g} -> "
+            f"{norm_after:.4g}, more than {EXPLOSION_GROWTH:g}x in one round); lower --inner-lr "
+            "or --outer-lr"
+        )
+
+
+def check_data_left(workers: list[Worker], config: TrainConfig, rounds_left: int) -> None:
+    """Every worker's shard must hold the tokens of the rounds still to run (before any step)."""
+    needed = rounds_left * config.inner_steps * config.worker_batch * config.seq_len
+    for worker in workers:
+        if worker.stream.tokens_left < needed:
+            raise DataExhausted(
+                f"worker {worker.index}'s data shard has {worker.stream.tokens_left:,} tokens left"
+                f", the {rounds_left} remaining rounds need {needed:,} (use more data, or resume "
+                "with the config the checkpoint was written with)"
+            )
+
+
+def resume_message(what: str, last_saved: tuple[int, Path | None]) -> str:
+    round_index, path = last_saved
+    if path is None:
+        return f"interrupted {what}; no checkpoint was written yet, so --resume is not possible"
+    return f"interrupted {what}; --resume continues from {path} (after round {round_index})"
+
+
+def last_good_message(last_saved: tuple[int, Path | None]) -> str:
+    round_index, path = last_saved
+    if path is None:
+        return "No checkpoint was written before it."
+    return f"The last good checkpoint is {path} (after round {round_index})."

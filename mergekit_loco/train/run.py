@@ -1,0 +1,263 @@
+"""A training run's state and its setup: tokenizer, model, data, workers, the DiLoCo driver,
+the run folder, checkpoints and resume. :func:`mergekit_loco.train.loop.train` drives it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
+
+from mergekit_loco.io import open_checkpoint
+from mergekit_loco.io.atomic import write_atomically
+from mergekit_loco.methods import METHODS
+from mergekit_loco.run_layout import CONFIG, METRICS
+from mergekit_loco.task_vector import TaskVector
+from mergekit_loco.train.checkpoint import (
+    Checkpoint,
+    load_checkpoint,
+    restore_rng_state,
+    rng_state,
+    save_checkpoint,
+)
+from mergekit_loco.train.config import TrainConfig
+from mergekit_loco.train.data import (
+    BatchStream,
+    PreparedData,
+    load_or_train_tokenizer,
+    load_tokenizer,
+    prepare_data,
+    worker_shard,
+)
+from mergekit_loco.train.diloco import DiLoCo
+from mergekit_loco.train.guards import check_data_left
+from mergekit_loco.train.model import (
+    build_model,
+    count_parameters,
+    model_config,
+    parameter_checksum,
+)
+from mergekit_loco.train.run_folder import MetricsLog, check_output, claim_output
+from mergekit_loco.train.workers import InnerOptimizer, Worker, WorkerGroup
+
+
+@dataclass
+class Run:
+    """Everything a run holds. DiLoCo mode: ``driver`` (the global parameters, the outer
+    optimizer) and each worker's own inner optimizer; data-parallel mode: ``dp_optimizer``."""
+
+    config: TrainConfig
+    group: WorkerGroup
+    model: torch.nn.Module
+    tokenizer: PreTrainedTokenizerBase
+    data: PreparedData
+    workers: list[Worker]
+    driver: DiLoCo | None
+    dp_optimizer: InnerOptimizer | None
+    rounds: int
+    start_round: int = 0
+    completed: int = 0
+    round_number: int = 0
+    train_loss: float | None = None
+    last_saved: tuple[int, Path | None] = (0, None)
+    metrics: MetricsLog | None = None
+    seconds: dict[str, float] = field(default_factory=lambda: {"round": 0.0, "outer": 0.0})
+
+    @property
+    def out(self) -> Path:
+        return Path(self.config.out)
+
+    @property
+    def distributed(self) -> bool:
+        return self.group.distributed
+
+    @property
+    def global_params(self) -> dict[str, torch.Tensor]:
+        """theta: the driver's global parameters, or (dp) the one model's."""
+        if self.driver is not None:
+            return self.driver.global_params
+        return {name: p.detach() for name, p in self.model.named_parameters()}
+
+    def shared_state(self) -> dict:
+        """What every process shares besides theta: the driver's counters and outer optimizer,
+        or (dp) the one inner optimizer."""
+        if self.driver is None:
+            return self.dp_optimizer.state_dict()
+        state = self.driver.state_dict()
+        del state["global_params"]
+        return state
+
+    def save(self, completed: int) -> Path:
+        state = Checkpoint(
+            round=completed,
+            config=self.config.to_dict(),
+            global_params=self.global_params,
+            shared=self.shared_state(),
+            workers={w.index: worker_state(w) for w in self.workers},
+            rng=rng_state(),
+        )
+        path = save_checkpoint(self.out, state, self.group, self.config.keep_checkpoints)
+        self.last_saved = (completed, path)
+        return path
+
+    def save_unless_saved(self, completed: int) -> None:
+        if self.last_saved[0] != completed:
+            self.save(completed)
+
+    def restore(self, path: Path) -> None:
+        """Load this process's part of the checkpoint at ``path``."""
+        saved = load_checkpoint(path, [w.index for w in self.workers], self.group.rank)
+        if set(saved.global_params) != set(self.global_params):
+            raise ValueError(f"checkpoint {path} holds other tensors than the model")
+        if self.driver is not None:
+            self.driver.load_state_dict({**saved.shared, "global_params": saved.global_params})
+        else:
+            with torch.no_grad():
+                for name, tensor in self.global_params.items():
+                    tensor.copy_(saved.global_params[name])
+            self.dp_optimizer.load_state_dict(saved.shared)
+        for worker in self.workers:
+            worker.stream.load_state_dict(saved.workers[worker.index]["data"])
+            if worker.inner is not None:
+                worker.inner.load_state_dict(saved.workers[worker.index]["inner"])
+                if self.group.device.type != "cpu":
+                    worker.inner.to("cpu")
+        restore_rng_state(saved.rng)
+        self.start_round = self.completed = saved.round
+        self.last_saved = (saved.round, path)
+
+
+def worker_state(worker: Worker) -> dict:
+    return {
+        "data": worker.stream.state_dict(),
+        "inner": worker.inner.state_dict() if worker.inner is not None else None,
+    }
+
+
+def start_run(config: TrainConfig, group: WorkerGroup) -> Run:
+    """Build (or resume) the run ``config`` describes. Every check that needs no training runs
+    before ``out`` is touched, so a run that cannot start leaves it as it found it."""
+    out = Path(config.out)
+    resume_from = check_output(out, config)
+    torch.manual_seed(config.seed)
+    tokenizer_path, tokenizer = main_process_first(group, lambda: find_tokenizer(config))
+    model = load_model(config, tokenizer).to(group.device).train()
+    config.check_budget(count_parameters(model))
+    rounds = config.total_rounds(count_parameters(model))
+    steps = rounds * config.inner_steps
+    diloco = config.mode == "diloco"
+    dp_optimizer = None if diloco else InnerOptimizer(model, config, steps)
+    data = main_process_first(group, lambda: load_data(config, tokenizer_path, rounds))
+    workers = [
+        Worker(
+            index,
+            BatchStream(worker_shard(data.train, index, config.workers), config.seq_len),
+            InnerOptimizer(model, config, steps) if diloco else None,
+        )
+        for index in group.worker_ids
+    ]
+    driver = make_driver(config, model, [w.inner for w in workers]) if diloco else None
+    run = Run(config, group, model, tokenizer, data, workers, driver, dp_optimizer, rounds)
+    if resume_from is not None:
+        run.restore(resume_from)
+    check_data_left(workers, config, rounds - run.start_round)
+    group.check_identical(parameter_checksum(run.global_params), "global parameters")
+    claim_output(out, config, group)
+    run.metrics = MetricsLog(out / METRICS, group.is_main, keep_until_round=run.start_round)
+    if group.is_main:
+        write_atomically(out / CONFIG, json.dumps(config.to_dict(), indent=2) + "\n")
+    return run
+
+
+def make_driver(config: TrainConfig, model: torch.nn.Module, inner: list[InnerOptimizer]) -> DiLoCo:
+    """DiLoCo with ``config``'s aggregator and torch SGD / Nesterov as the outer optimizer,
+    after a shape-only dry run of the aggregator on R meta tensors (so that e.g. TSV with more
+    workers than a matrix has rows fails before any compute). DARE's masks follow the run seed."""
+    options = dict(config.aggregator_options)
+    if "seed" in METHODS[config.aggregator].parameter_names():
+        options.setdefault("seed", config.seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    outer = torch.optim.SGD(
+        params, lr=config.outer_lr, momentum=config.outer_momentum, nesterov=config.nesterov
+    )
+    driver = DiLoCo(
+        model, inner, outer, aggregator=config.aggregator, sync_every=config.inner_steps,
+        aggregator_options=options, compression=config.compression,
+    )  # fmt: skip
+    shapes = TaskVector({n: torch.empty(t.shape, device="meta") for n, t in driver.params.items()})
+    driver.method.merge([shapes] * config.workers)
+    return driver
+
+
+def main_process_first(group: WorkerGroup, load):
+    """``load()`` on rank 0, then on the others (they find rank 0's cache files)."""
+    if group.is_main:
+        result = load()
+    group.barrier()
+    if not group.is_main:
+        result = load()
+    return result
+
+
+def find_tokenizer(config: TrainConfig) -> tuple[str | None, PreTrainedTokenizerBase]:
+    """``--tokenizer``, else the ``--init`` folder's tokenizer, else a BPE trained on the data."""
+    path = config.tokenizer
+    if path is None and config.init is not None:
+        init = Path(config.init)
+        if any((init / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+            path = str(init)
+    if path is not None:
+        return path, load_tokenizer(path)
+    return None, load_or_train_tokenizer(config.data, config.vocab_size)
+
+
+def load_model(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> torch.nn.Module:
+    """A fresh seeded model of ``config.model``, or the ``config.init`` checkpoint (an HF folder
+    with config.json, or weights matching ``config.model``), in float32."""
+    vocab = len(tokenizer)
+    model_spec = model_config(config.model, vocab, tokenizer.bos_token_id, tokenizer.eos_token_id)
+    if config.init is None:
+        return build_model(model_spec, config.seed)
+    init = Path(config.init)
+    if (init / "config.json").is_file():
+        model = AutoModelForCausalLM.from_pretrained(
+            init, dtype=torch.float32, local_files_only=True, trust_remote_code=False
+        )
+    else:
+        model = build_model(model_spec, config.seed)
+        with open_checkpoint(init) as reader:
+            weights = {name: reader.get(name) for name in reader.names()}
+        result = model.load_state_dict(weights, strict=False)
+        problems = [*result.missing_keys, *result.unexpected_keys]
+        if problems:
+            raise ValueError(
+                f"init checkpoint {init} does not fit model {config.model!r}: tensor "
+                f"{problems[0]!r} is {'missing' if result.missing_keys else 'unexpected'}"
+            )
+    if model.config.vocab_size < vocab:
+        raise ValueError(
+            f"init checkpoint {init} has a vocabulary of {model.config.vocab_size}, smaller than "
+            f"the tokenizer's {vocab}"
+        )
+    return model.to(torch.float32)
+
+
+def load_data(config: TrainConfig, tokenizer_path: str | None, rounds: int) -> PreparedData:
+    """Train tokens for ``rounds`` rounds (R equal shards), ``val_tokens`` held out."""
+    train_tokens = rounds * config.tokens_per_round()
+    try:
+        return prepare_data(
+            config.data,
+            tokenizer=tokenizer_path,
+            max_train_tokens=train_tokens,
+            val_tokens=config.val_tokens,
+            vocab_size=config.vocab_size,
+            seed=config.seed,
+        )
+    except ValueError as error:
+        raise ValueError(
+            f"{error} (the run needs {train_tokens:,} training tokens: {rounds} rounds x "
+            f"{config.tokens_per_round():,}; lower the token budget or give more data)"
+        ) from None

@@ -1,0 +1,97 @@
+"""The run folder (layout in :mod:`mergekit_loco.run_layout`): refuse to clobber, claim, log
+metrics, write the final model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
+
+from mergekit_loco.io.atomic import write_atomically
+from mergekit_loco.run_layout import CHECKPOINTS, FINAL, METRICS
+from mergekit_loco.train.checkpoint import latest_checkpoint, read_state
+from mergekit_loco.train.config import TrainConfig
+from mergekit_loco.train.workers import WorkerGroup
+
+
+def check_output(out: Path, config: TrainConfig) -> Path | None:
+    """The checkpoint to resume from (``resume``), else make sure ``out`` holds no other run
+    (unless ``force``). Refuses a resume whose run-defining config differs. Writes nothing."""
+    if config.resume:
+        checkpoint = latest_checkpoint(out)
+        if checkpoint is None:
+            raise ValueError(f"nothing to resume: {out / CHECKPOINTS} holds no checkpoint")
+        changes = config.differences(read_state(checkpoint)["config"])
+        if changes and not config.allow_config_change:
+            raise ValueError(
+                f"{checkpoint} was written with another config ({'; '.join(changes)}); "
+                "pass the same options, or --allow-config-change to resume anyway"
+            )
+        return checkpoint
+    previous = previous_run(out)
+    if previous and not config.force:
+        raise ValueError(
+            f"{out} already holds a run ({', '.join(p.name for p in previous)}); pass --resume "
+            "to continue it, --force to start over, or choose another --out"
+        )
+    return None
+
+
+def previous_run(out: Path) -> list[Path]:
+    return [out / name for name in (METRICS, CHECKPOINTS, FINAL) if (out / name).exists()]
+
+
+def claim_output(out: Path, config: TrainConfig, group: WorkerGroup) -> None:
+    """Create ``out``; a fresh run deletes a previous run's files there (``force``). Called once
+    every check has passed, so a run that cannot start leaves ``out`` as it found it."""
+    if group.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        if not config.resume:
+            for path in previous_run(out):
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+    group.barrier()
+
+
+def save_final(folder: Path, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> None:
+    """``folder``: config.json + model.safetensors + tokenizer, written beside and renamed."""
+    staging = folder.with_name(f".{folder.name}.tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+    finally:
+        hf_logging.enable_progress_bar()
+    if folder.exists():
+        shutil.rmtree(folder)
+    staging.rename(folder)
+
+
+class MetricsLog:
+    """``metrics.jsonl``: one JSON object per line, appended and flushed (rank 0 only).
+
+    On resume the lines after the checkpoint's round are dropped, so the log of a resumed run
+    reads like that of an uninterrupted one.
+    """
+
+    def __init__(self, path: Path, enabled: bool, keep_until_round: int):
+        self.path = path
+        self.enabled = enabled
+        if enabled and path.is_file():
+            kept = [
+                line
+                for line in path.read_text().splitlines()
+                if line.strip()
+                and json.loads(line).get("event") != "final"
+                and json.loads(line).get("round", 0) <= keep_until_round
+            ]
+            write_atomically(path, "".join(f"{line}\n" for line in kept))
+
+    def write(self, **event) -> None:
+        if self.enabled:
+            with open(self.path, "a") as stream:
+                stream.write(json.dumps(event) + "\n")
