@@ -3,7 +3,8 @@
 Dead and hung torchrun peers, signals, a checkpoint write killed half-way, corrupt checkpoints,
 divergence, a data shard that runs short, inconsistent configs and config changes on resume.
 Processes are real where the fault is about processes; ``MLOCO_FAULT_AT=RANK:ROUND:TURN:SIGNAL``
-(``train/loop.py``) makes a process signal itself at the same point of the run every time.
+(tests/fault_hook.py, run through tests/fault_launcher.py) makes a process signal itself at the
+same point of the run every time.
 Every run is the micro model, R = 4, H = 2, 8 x 32 tokens a step: 4 rounds of 512 tokens.
 """
 
@@ -25,14 +26,16 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import stdlib_corpus
+from fault_hook import FAULT_ENV, install
 from safetensors.torch import load_file
 
 from mergekit_loco.cli import main
-from mergekit_loco.train import loop
+from mergekit_loco.train import loop, run
 from mergekit_loco.train.checkpoint import CheckpointCorrupt, latest_checkpoint
 from mergekit_loco.train.config import resolve_config
 from mergekit_loco.train.data import DataExhausted
-from mergekit_loco.train.loop import FAULT_ENV, TrainingDiverged, TrainingInterrupted, train
+from mergekit_loco.train.diloco import DiLoCo
+from mergekit_loco.train.loop import TrainingDiverged, TrainingInterrupted, train
 
 CORPUS_FILES = ("textwrap.py", "string.py", "json/decoder.py", "csv.py", "heapq.py", "shlex.py")
 TINY = dict(
@@ -44,6 +47,8 @@ HANG_TIMEOUT_S = 10
 #: wall-clock guard of every subprocess: past it the test fails instead of hanging
 PROCESS_GUARD_S = 120
 ONE_LINE_ERROR = re.compile(r"error: [^\n]+\n")
+#: ``mloco`` with the fault of MLOCO_FAULT_AT installed
+LAUNCHER = str(Path(__file__).with_name("fault_launcher.py"))
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +159,7 @@ def kill_group(process: subprocess.Popen) -> None:
 
 
 def run_cli(args: list[str], fault: str | None = None) -> Finished:
-    process = launch([sys.executable, "-m", "mergekit_loco", "train", *args], fault)
+    process = launch([sys.executable, LAUNCHER, "train", *args], fault)
     try:
         return finish(process)
     finally:
@@ -171,7 +176,7 @@ def test_killed_torchrun_worker_fails_the_run_fast_and_resume_matches(corpus, tm
     torchrun = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
         "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-        "-m", "mergekit_loco", "train", f"--timeout={TORCHRUN_TIMEOUT_S}",
+        LAUNCHER, "train", f"--timeout={TORCHRUN_TIMEOUT_S}",
     ]  # fmt: skip
     process = launch([*torchrun, *cli_flags(corpus, out), "--checkpoint-every=1"], "1:3:2:KILL")
     try:
@@ -218,7 +223,7 @@ def test_hung_peer_ends_the_other_within_the_timeout_in_one_line(corpus, tmp_pat
     --timeout in the outer step's collective, then exits 1 with one line naming the last good
     checkpoint."""
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "mergekit_loco", "train", *cli_flags(corpus, out),
+    command = [sys.executable, LAUNCHER, "train", *cli_flags(corpus, out),
                "--checkpoint-every=1", f"--timeout={HANG_TIMEOUT_S}"]  # fmt: skip
     nodes = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
     processes = [
@@ -286,14 +291,14 @@ def test_signal_between_rounds_first_checkpoints_the_completed_round(
 
 
 def test_signal_before_any_checkpoint_says_resume_is_impossible(corpus, tmp_path, monkeypatch):
-    monkeypatch.setenv(FAULT_ENV, "0:1:2:INT")
+    install("0:1:2:INT", monkeypatch)
     config = tiny_config(corpus, tmp_path)
     with pytest.raises(TrainingInterrupted) as stopped:
         train(config, progress=False)
     assert str(stopped.value) == (
         "interrupted during a round; no checkpoint was written yet, so --resume is not possible"
     )
-    monkeypatch.delenv(FAULT_ENV)
+    monkeypatch.undo()
     with pytest.raises(ValueError, match="nothing to resume: .* holds no checkpoint"):
         train(dataclasses.replace(config, resume=True), progress=False)
     assert train(config, progress=False).finished  # starting again needs no --force
@@ -392,15 +397,14 @@ def test_corrupt_checkpoint_python_api_raises_checkpoint_corrupt(stopped_run, tm
 
 # -- divergence ----------------------------------------------------------------------------------
 def scaled_turns(monkeypatch, round_number: int, scale: float) -> None:
-    """Multiply every worker delta of round ``round_number`` by ``scale`` (R = 4 turns a round)."""
-    real_turn, turns = loop.worker_turn, []
+    """Multiply every worker delta of round ``round_number`` by ``scale``."""
+    real_delta = DiLoCo.local_delta
 
-    def turn(*args, **kwargs):
-        delta, loss = real_turn(*args, **kwargs)
-        turns.append(1)
-        return (delta * scale if (len(turns) - 1) // 4 + 1 == round_number else delta), loss
+    def local_delta(driver):
+        delta = real_delta(driver)
+        return delta * scale if driver.outer_steps + 1 == round_number else delta
 
-    monkeypatch.setattr(loop, "worker_turn", turn)
+    monkeypatch.setattr(DiLoCo, "local_delta", local_delta)
 
 
 def test_exploding_pseudo_gradient_stops_before_its_round_is_saved(
@@ -452,13 +456,13 @@ def test_cli_divergence_exits_1_in_one_line(corpus, tmp_path):
 
 # -- data and config -----------------------------------------------------------------------------
 def test_data_shard_that_runs_short_is_refused_before_any_step(corpus, tmp_path, monkeypatch):
-    real_shard = loop.worker_shard
+    real_shard = run.worker_shard
 
     def short_third_shard(tokens, worker, workers):
         shard = real_shard(tokens, worker, workers)
         return shard[:-40] if worker == 2 else shard
 
-    monkeypatch.setattr(loop, "worker_shard", short_third_shard)
+    monkeypatch.setattr(run, "worker_shard", short_third_shard)
     with pytest.raises(DataExhausted, match="worker 2's data shard has 472 tokens left, the 4 "
                        "remaining rounds need 512"):  # fmt: skip
         train(tiny_config(corpus, tmp_path / "run"), progress=False)

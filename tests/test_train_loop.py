@@ -21,7 +21,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 from typer.testing import CliRunner
 
 from mergekit_loco.cli import app
-from mergekit_loco.train import loop
+from mergekit_loco.train import rounds
 from mergekit_loco.train.checkpoint import CheckpointCorrupt, latest_checkpoint
 from mergekit_loco.train.config import PRESETS, TrainConfig, resolve_config
 from mergekit_loco.train.data import prepare_data
@@ -221,7 +221,7 @@ def test_stop_then_resume_equals_uninterrupted_run(corpus, tmp_path, reference_r
 
 def test_sigint_stops_and_resume_continues_exactly(corpus, tmp_path, reference_run, monkeypatch):
     """SIGINT during round 3: stop after the next inner step; resume from round 2's checkpoint."""
-    real_turn, calls = loop.worker_turn, []
+    real_turn, calls = rounds.worker_turn, []
 
     def interrupted_turn(*args, **kwargs):
         calls.append(1)
@@ -230,10 +230,10 @@ def test_sigint_stops_and_resume_continues_exactly(corpus, tmp_path, reference_r
         return real_turn(*args, **kwargs)
 
     config = tiny_config(corpus, tmp_path, preset="isoloco", checkpoint_every=1, eval_every=2)
-    monkeypatch.setattr(loop, "worker_turn", interrupted_turn)
+    monkeypatch.setattr(rounds, "worker_turn", interrupted_turn)
     with pytest.raises(TrainingInterrupted, match="round-000002"):
         train(config, progress=False)
-    monkeypatch.setattr(loop, "worker_turn", real_turn)
+    monkeypatch.setattr(rounds, "worker_turn", real_turn)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     resumed = train(dataclasses.replace(config, resume=True), progress=False)
     assert resumed.checksum == reference_run.checksum
@@ -251,14 +251,14 @@ def test_existing_run_is_not_clobbered(corpus, reference_run):
 
 
 def test_non_finite_loss_stops_naming_round_and_checkpoint(corpus, tmp_path, monkeypatch):
-    real_turn, calls = loop.worker_turn, []
+    real_turn, calls = rounds.worker_turn, []
 
     def poisoned_turn(*args, **kwargs):
-        delta, loss = real_turn(*args, **kwargs)
+        loss = real_turn(*args, **kwargs)
         calls.append(1)
-        return delta, float("nan") if len(calls) > 4 else loss
+        return float("nan") if len(calls) > 4 else loss
 
-    monkeypatch.setattr(loop, "worker_turn", poisoned_turn)
+    monkeypatch.setattr(rounds, "worker_turn", poisoned_turn)
     with pytest.raises(TrainingDiverged, match=r"round 2: train loss is nan.*round-000001"):
         train(tiny_config(corpus, tmp_path, checkpoint_every=1), progress=False)
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "round-000001"
