@@ -3,9 +3,11 @@
 from mergekit_loco.merge import MergeSummary, MissingBaseError, merge_checkpoints
 from mergekit_loco.methods import MergeMethod, get_method, list_methods
 from mergekit_loco.task_vector import TaskVector
+from mergekit_loco.train.diloco import DiLoCo
 from mergekit_loco.train.outer import OuterOptimizer
 
 __all__ = [
+    "DiLoCo",
     "MergeMethod",
     "MergeSummary",
     "MissingBaseError",

@@ -1,0 +1,190 @@
+"""The public DiLoCo driver against hand-written float64 rounds (numpy), OuterOptimizer, and
+``mloco train``; its state, options and process-group manners."""
+
+from __future__ import annotations
+
+import datetime
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import mergekit_loco as ml
+from mergekit_loco.task_vector import TaskVector
+
+IN, OUT, LR_INNER, H = 4, 3, 0.05, 3
+
+
+class Tiny(torch.nn.Module):
+    """``y = x W^T + b``; ``frozen`` never trains; ``skip`` trains but is excluded from DiLoCo."""
+
+    def __init__(self):
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.weight = torch.nn.Parameter(
+            torch.randn(OUT, IN, generator=generator, dtype=torch.float64)
+        )
+        self.bias = torch.nn.Parameter(torch.randn(OUT, generator=generator, dtype=torch.float64))
+        self.frozen = torch.nn.Parameter(torch.ones(2, dtype=torch.float64), requires_grad=False)
+        self.skip = torch.nn.Parameter(torch.full((2,), 3.0, dtype=torch.float64))
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return ((x @ self.weight.T + self.bias - y) ** 2).sum() + (self.skip**2).sum()
+
+
+def batches(worker: int, rounds: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(100 + worker)
+    return [
+        (rng.standard_normal((5, IN)), rng.standard_normal((5, OUT))) for _ in range(rounds * H)
+    ]
+
+
+def run_driver(aggregator: str, workers: int, rounds: int, **outer_options) -> Tiny:
+    """R simulated workers through DiLoCo, each with its own SGD inner optimizer."""
+    model = Tiny()
+    inners = [torch.optim.SGD(model.parameters(), lr=LR_INNER) for _ in range(workers)]
+    trainable = [model.weight, model.bias]
+    outer = torch.optim.SGD(trainable, **outer_options)
+    data = [batches(w, rounds) for w in range(workers)]
+    with ml.DiLoCo(model, inners, outer, aggregator=aggregator, sync_every=H, exclude=["skip"]):
+        for round_index in range(rounds):
+            for worker, inner in enumerate(inners):
+                for x, y in data[worker][round_index * H : (round_index + 1) * H]:
+                    model.loss(torch.from_numpy(x), torch.from_numpy(y)).backward()
+                    inner.step()
+                    inner.zero_grad()
+    return model
+
+
+def by_hand(aggregator: str, workers: int, rounds: int, lr: float, momentum: float):
+    """The same rounds in numpy: gradient 2 r^T x for W, 2 sum(r) for b (r = xW^T + b - y);
+    Iso-C: the mean delta's singular values replaced by their mean; Nesterov SGD on -merged."""
+    model = Tiny()
+    weight, bias = model.weight.detach().numpy().copy(), model.bias.detach().numpy().copy()
+    skip = model.skip.detach().numpy().copy()
+    data = [batches(w, rounds) for w in range(workers)]
+    buffers = None
+    for round_index in range(rounds):
+        deltas = []
+        for worker in range(workers):
+            w, b = weight.copy(), bias.copy()
+            for x, y in data[worker][round_index * H : (round_index + 1) * H]:
+                residual = x @ w.T + b - y
+                w, b = w - LR_INNER * 2 * residual.T @ x, b - LR_INNER * 2 * residual.sum(0)
+                skip = skip - LR_INNER * 2 * skip  # trained by every turn, never reset
+            deltas.append((w - weight, b - bias))
+        merged_w = np.mean([d[0] for d in deltas], axis=0)
+        merged_b = np.mean([d[1] for d in deltas], axis=0)
+        if aggregator == "iso-c":
+            left, singular, right_t = np.linalg.svd(merged_w, full_matrices=False)
+            merged_w = singular.mean() * left @ right_t
+        grads = (-merged_w, -merged_b)
+        if buffers is None:
+            buffers = [g.copy() for g in grads]
+        else:
+            buffers = [momentum * buf + g for buf, g in zip(buffers, grads, strict=True)]
+        updates = [g + momentum * buf for g, buf in zip(grads, buffers, strict=True)]
+        weight, bias = weight - lr * updates[0], bias - lr * updates[1]
+    return weight, bias, skip
+
+
+@pytest.mark.parametrize("aggregator", ["mean", "iso-c"])
+def test_driver_equals_rounds_by_hand(aggregator):
+    model = run_driver(aggregator, workers=3, rounds=3, lr=0.7, momentum=0.9, nesterov=True)
+    weight, bias, skip = by_hand(aggregator, workers=3, rounds=3, lr=0.7, momentum=0.9)
+    np.testing.assert_allclose(model.weight.detach().numpy(), weight, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(model.bias.detach().numpy(), bias, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(model.skip.detach().numpy(), skip, rtol=1e-12)
+    assert torch.equal(model.frozen, torch.ones(2, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("aggregator", ["mean", "iso-c", "ties", "tsv"])
+def test_driver_with_torch_sgd_equals_outer_optimizer_exactly(aggregator):
+    """The same deltas through DiLoCo + torch SGD and through OuterOptimizer: bit-identical."""
+    rounds, workers = 3, 2
+    model = run_driver(aggregator, workers, rounds, lr=0.6, momentum=0.8, nesterov=True)
+    reference = Tiny()
+    params = {"weight": reference.weight.detach().clone(), "bias": reference.bias.detach().clone()}
+    outer = ml.OuterOptimizer(params, aggregator, lr=0.6, momentum=0.8, nesterov=True)
+    data = [batches(w, rounds) for w in range(workers)]
+    for round_index in range(rounds):
+        deltas = []
+        for worker in range(workers):
+            reference.weight.data.copy_(params["weight"])
+            reference.bias.data.copy_(params["bias"])
+            inner = torch.optim.SGD([reference.weight, reference.bias], lr=LR_INNER)
+            for x, y in data[worker][round_index * H : (round_index + 1) * H]:
+                reference.loss(torch.from_numpy(x), torch.from_numpy(y)).backward()
+                inner.step()
+                inner.zero_grad()
+            deltas.append(
+                TaskVector({n: getattr(reference, n).detach() - p for n, p in params.items()})
+            )
+        outer.step(deltas)
+    assert torch.equal(model.weight.detach(), params["weight"])
+    assert torch.equal(model.bias.detach(), params["bias"])
+
+
+def test_state_dict_resumes_bit_identically_with_adam_outer():
+    """Any torch outer optimizer (Adam here); stop after 2 of 4 rounds, restore into a fresh
+    model and driver (global parameters on the CPU backup), finish: the same parameters."""
+
+    def driver_for(model):
+        inner = torch.optim.SGD(model.parameters(), lr=LR_INNER)
+        outer = torch.optim.Adam([model.weight, model.bias], lr=0.1)
+        return ml.DiLoCo(model, inner, outer, aggregator="iso-c", sync_every=H,
+                         exclude=["skip"], backup_device="cpu")  # fmt: skip
+
+    def train_rounds(model, driver, first, last):
+        with driver:
+            for x, y in batches(0, 4)[first * H : last * H]:
+                model.loss(torch.from_numpy(x), torch.from_numpy(y)).backward()
+                driver.inner_optimizers[0].step()
+                driver.inner_optimizers[0].zero_grad()
+
+    straight = Tiny()
+    straight_driver = driver_for(straight)
+    train_rounds(straight, straight_driver, 0, 4)
+
+    first = Tiny()
+    first_driver = driver_for(first)
+    train_rounds(first, first_driver, 0, 2)
+    saved = first_driver.state_dict()
+    assert saved["outer_steps"] == 2 and first_driver.last_comm_stats is not None
+    assert all(t.device.type == "cpu" for t in first_driver.global_params.values())
+    resumed = Tiny()
+    resumed.skip.data.copy_(first.skip)  # excluded: the user's own state
+    resumed_driver = driver_for(resumed)
+    resumed_driver.load_state_dict(saved)
+    train_rounds(resumed, resumed_driver, 2, 4)
+    for name, param in straight.named_parameters():
+        assert torch.equal(param, dict(resumed.named_parameters())[name]), name
+
+
+def test_bad_arguments_name_the_fault():
+    model = Tiny()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="'nope', which is not a parameter"):
+        ml.DiLoCo(model, inner, torch.optim.SGD([model.weight], lr=1.0), exclude=["nope"])
+    with pytest.raises(ValueError, match="outer_optimizer holds a tensor that is not"):
+        ml.DiLoCo(model, inner, torch.optim.SGD(model.parameters(), lr=1.0), exclude=["skip"])
+    with pytest.raises(ValueError, match="sync_every must be >= 1"):
+        ml.DiLoCo(model, inner, torch.optim.SGD([model.weight], lr=1.0), sync_every=0)
+    with pytest.raises(ValueError, match="does not take 'densty'"):
+        ml.DiLoCo(model, inner, torch.optim.SGD([model.weight], lr=1.0), aggregator="ties",
+                  aggregator_options={"densty": 0.5})  # fmt: skip
+
+
+def test_driver_leaves_a_process_group_it_did_not_create(tmp_path):
+    """One gloo rank: the driver aggregates over it and the group outlives the driver."""
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=30))  # fmt: skip
+    try:
+        model = run_driver("mean", workers=1, rounds=2, lr=1.0)
+        weight, _, _ = by_hand("mean", workers=1, rounds=2, lr=1.0, momentum=0.0)
+        np.testing.assert_allclose(model.weight.detach().numpy(), weight, rtol=1e-10)
+        assert dist.is_initialized()
+    finally:
+        dist.destroy_process_group()
