@@ -30,7 +30,7 @@ def make_model(seed: int = 0) -> GPT2LMHeadModel:
     """A 2-layer, 32-wide GPT-2, the same on every process (seeded)."""
     config = GPT2Config(
         vocab_size=VOCAB, n_positions=SEQ_LEN, n_embd=32, n_layer=2, n_head=2,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
     )  # fmt: skip
     torch.manual_seed(seed)
     return GPT2LMHeadModel(config)
