@@ -30,11 +30,12 @@ from common import machine
 from rich.console import Console
 from rich.table import Table
 
-from mergekit_loco.train import loop
+from mergekit_loco.train import diloco, loop
 from mergekit_loco.train.config import resolve_config
 from mergekit_loco.train.data import BatchStream, prepare_data
-from mergekit_loco.train.loop import autocast, synchronize, train
+from mergekit_loco.train.loop import train
 from mergekit_loco.train.model import build_model, count_parameters, model_config
+from mergekit_loco.train.rounds import autocast, synchronize
 from mergekit_loco.train.workers import InnerOptimizer, resolve_device
 
 AGGREGATORS = {  # label: (aggregator, options)
@@ -45,8 +46,9 @@ AGGREGATORS = {  # label: (aggregator, options)
 
 
 def time_training_loop_with(clock) -> None:
-    """Make the training loop time its rounds with ``clock`` (it reads ``time.perf_counter``)."""
-    loop.time = types.SimpleNamespace(perf_counter=clock)
+    """Make the training loop time its rounds, and the DiLoCo driver its outer steps, with
+    ``clock`` (both read ``time.perf_counter``)."""
+    loop.time = diloco.time = types.SimpleNamespace(perf_counter=clock)
 
 
 def plain_adamw_tokens_per_second(config, steps: int, clock) -> float:

@@ -110,9 +110,11 @@ def test_own_loop_with_mean_and_nesterov_equals_mloco_train_diloco(corpus, tmp_p
     schedule end on the same parameters (to 1e-5)."""
     workers, inner_steps, rounds, batch, seq_len = 2, 2, 3, 2, 32
     tokens = rounds * inner_steps * workers * batch * seq_len
-    flags = ["--preset", "diloco", "--model", "micro", "--workers", "2", "--inner-steps", "2",
-             "--global-batch", "4", "--seq-len", "32", "--tokens", str(tokens), "--vocab-size",
-             "512", "--val-tokens", "1024", "--device", "cpu", "--data", corpus, "--quiet"]  # fmt: skip
+    flags = [
+        "--preset", "diloco", "--model", "micro", "--workers", "2", "--inner-steps", "2",
+        "--global-batch", "4", "--seq-len", "32", "--tokens", str(tokens), "--vocab-size", "512",
+        "--val-tokens", "1024", "--device", "cpu", "--data", corpus, "--quiet",
+    ]  # fmt: skip
     with pytest.raises(SystemExit) as exited:
         main(["train", *flags, "--out", str(tmp_path / "run")])
     assert exited.value.code in (0, None)
