@@ -20,6 +20,7 @@ import torch
 from rich.table import Table
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from mergekit_loco.compare.stats import Spread, spread
 from mergekit_loco.io import open_checkpoint
 from mergekit_loco.train.data import evaluate_loss, prepare_data
 
@@ -34,6 +35,8 @@ class Evaluation:
     data: str
     tokens: int
     loss: float
+    #: which of ``val_sets`` disjoint validation sets (0: the first, the only one by default).
+    val_set: int = 0
 
     @property
     def perplexity(self) -> float:
@@ -41,8 +44,9 @@ class Evaluation:
         return math.exp(self.loss)
 
     def record(self) -> dict:
-        return {"model": self.model, "data": self.data, "tokens": self.tokens,
-                "loss": self.loss, "perplexity": self.perplexity}  # fmt: skip
+        return {"model": self.model, "data": self.data, "val_set": self.val_set,
+                "tokens": self.tokens, "loss": self.loss,
+                "perplexity": self.perplexity}  # fmt: skip
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu") -> PreTrainedModel:
@@ -127,38 +131,58 @@ def evaluate_models(
     seed: int = 0,
     batch_size: int = 16,
     device: str | torch.device = "cpu",
+    val_sets: int = 1,
 ) -> list[Evaluation]:
-    """The held-out loss of every model on every dataset (model-major order)."""
+    """The held-out loss of every model on every dataset (model-major order). With
+    ``val_sets = K`` each dataset's first ``K * tokens`` held-out tokens are cut into K disjoint
+    validation sets of ``tokens`` each, evaluated one by one: their spread
+    (:func:`val_set_spreads`) is the noise of a ``tokens``-token evaluation."""
     if not models or not datasets:
         raise ValueError("give at least one model and one dataset")
     if seq_len < 2:
         raise ValueError(f"--seq-len must be >= 2, got {seq_len}")
+    if val_sets < 1:
+        raise ValueError(f"--val-sets must be >= 1, got {val_sets}")
     results = []
     for path in models:
         folder = tokenizer_folder(path, tokenizer)
         model = load_model(path, device)
         for data in datasets:
-            ids = held_out_tokens(data, folder, tokens, seed)
-            if ids.numel() < seq_len:
-                raise ValueError(f"{data}: {ids.numel()} held-out tokens, fewer than --seq-len")
-            loss = loss_on(model, ids, seq_len, batch_size, device)
-            results.append(
-                Evaluation(str(path), data, predicted_tokens(ids.numel(), seq_len), loss)
-            )
+            held_out = held_out_tokens(data, folder, tokens * val_sets, seed)
+            for val_set, ids in enumerate(held_out.split(tokens)):
+                if ids.numel() < seq_len:
+                    raise ValueError(f"{data}: {ids.numel()} held-out tokens, fewer than --seq-len")
+                loss = loss_on(model, ids, seq_len, batch_size, device)
+                predicted = predicted_tokens(ids.numel(), seq_len)
+                results.append(Evaluation(str(path), data, predicted, loss, val_set))
         del model
     return results
 
 
+def val_set_spreads(results: Sequence[Evaluation]) -> dict[tuple[str, str], Spread]:
+    """Per (model, data): mean, sd (ddof 1), min and max of the loss over its validation sets."""
+    losses: dict[tuple[str, str], list[float]] = {}
+    for result in results:
+        losses.setdefault((result.model, result.data), []).append(result.loss)
+    return {key: spread(values) for key, values in losses.items()}
+
+
 def results_table(results: Sequence[Evaluation]) -> Table:
-    """Model x dataset: loss (perplexity)."""
-    datasets = list(dict.fromkeys(result.data for result in results))
+    """Model x dataset: loss (perplexity); with several validation sets, one column per set
+    (``data #k``) and the spread over the sets in the caption."""
+    several = any(result.val_set for result in results)
+
+    def column(result: Evaluation) -> str:
+        return f"{result.data} #{result.val_set}" if several else result.data
+
+    datasets = list(dict.fromkeys(column(result) for result in results))
     table = Table(title="Held-out loss, nats per token (perplexity)")
     table.add_column("model")
     for data in datasets:
         table.add_column(data, justify="right")
     by_model: dict[str, dict[str, Evaluation]] = {}
     for result in results:
-        by_model.setdefault(result.model, {})[result.data] = result
+        by_model.setdefault(result.model, {})[column(result)] = result
     for model, row in by_model.items():
         cells = [
             f"{row[d].loss:.4f} ({row[d].perplexity:.1f})" if d in row else "-" for d in datasets
@@ -166,4 +190,10 @@ def results_table(results: Sequence[Evaluation]) -> Table:
         table.add_row(model, *cells)
     tokens = {result.tokens for result in results}
     table.caption = f"{', '.join(f'{t:,}' for t in sorted(tokens))} predicted tokens per dataset"
+    if several:
+        table.caption += "".join(
+            f"\n{model} on {data}: {s.mean:.4f} ± {s.std:.4f} (min {s.low:.4f}, max {s.high:.4f})"
+            f" over {s.n} validation sets"
+            for (model, data), s in val_set_spreads(results).items()
+        )
     return table

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mergekit_loco import compare, report
-from mergekit_loco.compare import Cell, OuterLrGrid, Sweep, cell_config, plan, trained_tokens
+from mergekit_loco.compare import merges, render, runs
+from mergekit_loco.compare import sweep as sweeping
+from mergekit_loco.compare.sweep import Cell, Grid, Sweep, cell_config, plan, trained_tokens
 from mergekit_loco.train.config import preset_config
 from mergekit_loco.train.loop import train
 
@@ -93,10 +94,10 @@ def test_plan_refuses_unmatched_budgets_and_bad_splits():
 
 
 def test_outer_lr_grid_multipliers_and_absolute_values():
-    grid = OuterLrGrid.parse(["0.5,1,2", "isoloco=1.2,1.8"])
+    grid = Grid.parse(["0.5,1,2", "isoloco=1.2,1.8"])
     assert grid.values("diloco", 0.7) == [0.35, None, 1.4]  # the preset's own lr is None
     assert grid.values("isoloco", 1.8) == [1.2, None]
-    assert OuterLrGrid().values("tsv", 0.6) == [None]
+    assert Grid().values("tsv", 0.6) == [None]
     sweep = Sweep(["diloco", "isoloco"], [2], inner_steps=[2], outer_lr_grid=grid,
                   baseline=False, shared={**TOY, "tokens": 1024})  # fmt: skip
     lrs = {(c.aggregator, c.outer_lr) for c in plan(sweep)}
@@ -107,9 +108,9 @@ def test_outer_lr_grid_multipliers_and_absolute_values():
     assert cell_config(sweep, named, Path("x")).outer_lr == 1.4
     for bad in (["0,1"], ["a,b"], ["1", "2"]):
         with pytest.raises(ValueError, match="--outer-lr-grid"):
-            OuterLrGrid.parse(bad)
+            Grid.parse(bad)
     with pytest.raises(ValueError, match="names 'tsv', not in --aggregators"):
-        plan(Sweep(["diloco"], [2], outer_lr_grid=OuterLrGrid.parse(["tsv=1"]), shared=TOY))
+        plan(Sweep(["diloco"], [2], outer_lr_grid=Grid.parse(["tsv=1"]), shared=TOY))
 
 
 # -- running and resuming -----------------------------------------------------------------------
@@ -120,24 +121,24 @@ def test_stopped_sweep_resumes_and_never_reruns_finished_cells(tmp_path, domains
         calls.append((Path(config.out).name, config.resume))
         return train(config, progress=False)
 
-    monkeypatch.setattr(compare, "train", counting_train)
+    monkeypatch.setattr(sweeping, "train", counting_train)
     shared = {**TOY, "tokens": 4 * 2 * 4 * 32, "data": domains[1]}  # 4 rounds of H = 2
     first = Sweep(["diloco"], [2], inner_steps=[2], shared=shared)
-    compare.run_sweep(first, tmp_path, figures=False)
+    sweeping.run_sweep(first, tmp_path, figures=False)
     assert calls == [("dp-s0", False), ("diloco-R2-H2-s0", False)]
 
     # a wider sweep, stopped after one round of its new cell
     calls.clear()
     wider = Sweep(["diloco", "isoloco"], [2], inner_steps=[2], shared=shared)
     stopped = Sweep(wider.aggregators, [2], inner_steps=[2], shared={**shared, "stop_after": 1})
-    compare.run_sweep(stopped, tmp_path, figures=False)
+    sweeping.run_sweep(stopped, tmp_path, figures=False)
     assert calls == [("isoloco-R2-H2-s0", False)]
-    assert not report.is_finished(tmp_path / "runs" / "isoloco-R2-H2-s0")
+    assert not runs.is_finished(tmp_path / "runs" / "isoloco-R2-H2-s0")
 
     calls.clear()
-    summary = compare.run_sweep(wider, tmp_path, figures=False)
+    summary = sweeping.run_sweep(wider, tmp_path, figures=False)
     assert calls == [("isoloco-R2-H2-s0", True)]
-    resumed = report.load_run(tmp_path / "runs" / "isoloco-R2-H2-s0")
+    resumed = runs.load_run(tmp_path / "runs" / "isoloco-R2-H2-s0")
     assert resumed.status == "finished"
     assert [t for t, _ in resumed.val_curve] == [1 * 256, 2 * 256, 3 * 256, 4 * 256]
     assert not (tmp_path / "runs" / "isoloco-R2-H2-s0" / "checkpoints").exists()
@@ -150,7 +151,7 @@ def test_stopped_sweep_resumes_and_never_reruns_finished_cells(tmp_path, domains
     # a finished cell is never reused for another config
     other = Sweep(["diloco"], [2], inner_steps=[2], shared={**shared, "seq_len": 16})
     with pytest.raises(ValueError, match="holds another run.*seq_len"):
-        compare.run_sweep(other, tmp_path, figures=False)
+        sweeping.run_sweep(other, tmp_path, figures=False)
 
 
 def test_failed_cells_are_recorded_not_raised(tmp_path, monkeypatch):
@@ -162,24 +163,24 @@ def test_failed_cells_are_recorded_not_raised(tmp_path, monkeypatch):
         (Path(config.out) / "config.json").write_text(json.dumps(config.to_dict()))
         raise errors[config.preset]
 
-    monkeypatch.setattr(compare, "train", failing_train)
+    monkeypatch.setattr(sweeping, "train", failing_train)
     sweep = Sweep(["diloco", "iso-cts"], [2], inner_steps=[2], baseline=False,
                   shared={**TOY, "tokens": 512})  # fmt: skip
-    compare.run_sweep(sweep, tmp_path, figures=False)
+    sweeping.run_sweep(sweep, tmp_path, figures=False)
     for name, error in (("diloco", "FloatingPointError"), ("iso-cts", "LinAlgError")):
-        run = report.load_run(tmp_path / "runs" / f"{name}-R2-H2-s0")
+        run = runs.load_run(tmp_path / "runs" / f"{name}-R2-H2-s0")
         assert run.status == "failed" and run.val_loss == math.inf
         saved = json.loads((tmp_path / "runs" / f"{name}-R2-H2-s0" / "failed.json").read_text())
         assert error in saved["error"]
     calls = []
-    monkeypatch.setattr(compare, "train", lambda config, progress=True: calls.append(config))
-    compare.run_sweep(sweep, tmp_path, figures=False)
+    monkeypatch.setattr(sweeping, "train", lambda config, progress=True: calls.append(config))
+    sweeping.run_sweep(sweep, tmp_path, figures=False)
     assert calls == []  # a failed cell counts as finished
 
     # other errors are the sweep's: they stop it
-    monkeypatch.setattr(compare, "train", lambda config, progress=True: 1 / 0)
+    monkeypatch.setattr(sweeping, "train", lambda config, progress=True: 1 / 0)
     with pytest.raises(ZeroDivisionError):
-        compare.run_sweep(Sweep(["tsv"], [2], inner_steps=[2], baseline=False,
+        sweeping.run_sweep(Sweep(["tsv"], [2], inner_steps=[2], baseline=False,
                                 shared={**TOY, "tokens": 512}), tmp_path)  # fmt: skip
 
 
@@ -196,7 +197,7 @@ def test_merge_comparison_end_to_end(tmp_path, domains):
         finetuned.append(train(config, progress=False).out / "final")
 
     methods = ["mean", "ta", "ties", "dare", "tsv", "iso-c", "iso-cts"]
-    summary = compare.compare_merges(
+    summary = merges.compare_merges(
         base.out / "final", finetuned, domains, methods, [0.5, 1.0], tmp_path / "cmp",
         eval_tokens=1024, seq_len=32,
     )  # fmt: skip
@@ -228,17 +229,17 @@ def test_merge_comparison_end_to_end(tmp_path, domains):
 
     # merges are reused, not redone; report re-renders without evaluating
     before = (tmp_path / "cmp" / "merged" / "ties-1").stat().st_mtime_ns
-    report.render([tmp_path / "cmp"], figures=False)
+    render([tmp_path / "cmp"], figures=False)
     assert (tmp_path / "cmp" / "merged" / "ties-1").stat().st_mtime_ns == before
 
 
 def test_merge_mode_checks_its_inputs(tmp_path):
     with pytest.raises(ValueError, match="2 models but --data 1 domains"):
-        compare.compare_merges("b", ["a", "c"], ["x"], ["mean"], [1.0], tmp_path)
+        merges.compare_merges("b", ["a", "c"], ["x"], ["mean"], [1.0], tmp_path)
     with pytest.raises(ValueError, match="unknown merge method 'avg'"):
-        compare.compare_merges("b", ["a", "c"], ["x", "y"], ["avg"], [1.0], tmp_path)
+        merges.compare_merges("b", ["a", "c"], ["x", "y"], ["avg"], [1.0], tmp_path)
     with pytest.raises(ValueError, match="--scales must be positive"):
-        compare.compare_merges("b", ["a", "c"], ["x", "y"], ["ta"], [0.0], tmp_path)
+        merges.compare_merges("b", ["a", "c"], ["x", "y"], ["ta"], [0.0], tmp_path)
 
 
 # -- docs -----------------------------------------------------------------------------------------

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from mergekit_loco import report
-from mergekit_loco.report import paired_difference, spread
+from mergekit_loco.compare import merge_report, render, runs, sweep_report
+from mergekit_loco.compare.stats import paired_difference, spread
 from mergekit_loco.train.config import preset_config
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -81,7 +81,7 @@ def test_report_rerenders_a_sweep_from_saved_metrics(tmp_path):
     write_run(tmp_path, "tsv-R2-H2-s0", "tsv", 2, 0, None)  # unfinished
 
     output = io.StringIO()
-    summary = report.report_sweep(tmp_path, console=Console(file=output, width=200))
+    summary = sweep_report.report_sweep(tmp_path, console=Console(file=output, width=200))
     rows = {row.aggregator: row for row in summary}
     assert set(rows) == {"dp", "diloco", "isoloco"}  # the unfinished run has no row
     assert rows["diloco"].outer_lr == 1.4
@@ -108,7 +108,7 @@ def test_report_rerenders_a_sweep_from_saved_metrics(tmp_path):
     assert "+0.4000" in text.split("diloco")[1]
     assert "Outer-lr sweep" in text and "1 unfinished run(s): tsv-R2-H2-s0" in text
 
-    run = report.load_run(tmp_path / "runs" / "isoloco-R2-H2-s0")
+    run = runs.load_run(tmp_path / "runs" / "isoloco-R2-H2-s0")
     assert run.val_curve == ((128, 8.0), (256, 2.5))
     assert run.train_curve == ((64, 8.0), (128, 7.0), (192, 6.0), (256, 5.0))
 
@@ -117,16 +117,16 @@ def test_report_without_matplotlib_says_how_to_get_it(tmp_path, monkeypatch):
     write_run(tmp_path, "diloco-R2-H2-s0", "diloco", 2, 0, 3.0)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ImportError, match=r"pip install 'mergekit_loco\[plot\]'"):
-        report.report_sweep(tmp_path)
-    report.report_sweep(tmp_path, figures=False)  # tables need no matplotlib
+        sweep_report.report_sweep(tmp_path)
+    sweep_report.report_sweep(tmp_path, figures=False)  # tables need no matplotlib
     assert (tmp_path / "results.csv").is_file()
 
 
 def test_render_refuses_what_it_cannot_read(tmp_path):
     with pytest.raises(FileNotFoundError, match="no runs"):
-        report.render([tmp_path])
+        render([tmp_path])
     with pytest.raises(ValueError, match="several folders"):
-        report.render([tmp_path, tmp_path])
+        render([tmp_path, tmp_path])
 
 
 # -- merge reports --------------------------------------------------------------------------------
@@ -158,9 +158,9 @@ def test_merge_scores_by_hand(tmp_path):
     for index in range(2):
         folder = tmp_path / f"set{index}"
         folder.mkdir()
-        (folder / report.EVALUATIONS).write_text(json.dumps(merge_document()))
+        (folder / merge_report.EVALUATIONS).write_text(json.dumps(merge_document()))
     output = io.StringIO()
-    summary = report.report_merges([tmp_path / "set0", tmp_path / "set1"], tmp_path / "out",
+    summary = merge_report.report_merges([tmp_path / "set0", tmp_path / "set1"], tmp_path / "out",
                                    console=Console(file=output, width=200))  # fmt: skip
     rows = {row.label: row for row in summary}
     ties = rows["ties"]
@@ -184,4 +184,4 @@ def test_merge_scores_by_hand(tmp_path):
     assert "mean ± std over 2 fine-tune sets" in output.getvalue()
 
     with pytest.raises(ValueError, match="needs --output"):
-        report.render([tmp_path / "set0", tmp_path / "set1"])
+        render([tmp_path / "set0", tmp_path / "set1"])

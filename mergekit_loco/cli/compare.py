@@ -37,6 +37,18 @@ def split_list(option: str, text: str | None, kind: type = str) -> list:
         ) from None
 
 
+def parse_seeds(text: str) -> tuple[int, ...]:
+    """``"3"`` -> seeds 0, 1, 2 (a count); ``"101,202"`` or ``"7,"`` -> those seeds (a list)."""
+    seeds = split_list("--seeds", text, int)
+    if "," in text:
+        if not seeds or any(seed < 0 for seed in seeds):
+            raise ValueError(f"--seeds: {text!r} needs seeds >= 0")
+        return tuple(seeds)
+    if len(seeds) != 1 or seeds[0] < 1:
+        raise ValueError(f"--seeds: {text!r} is neither a count >= 1 nor a list like 0,1,2")
+    return tuple(range(seeds[0]))
+
+
 @user_errors
 def compare_command(
     output: Annotated[Path, typer.Option("--output", "-o", help="Results folder.")],
@@ -48,12 +60,35 @@ def compare_command(
     ] = DEFAULT_AGGREGATORS,
     workers: Annotated[str, typer.Option(help="Worker counts R, comma-separated.")] = "1,2,4,8",
     inner_steps: Annotated[str, typer.Option(help="Inner steps H, comma-separated.")] = "30",
-    seeds: Annotated[int, typer.Option(help="Seeds per cell (0..N-1).")] = 1,
+    seeds: Annotated[
+        str, typer.Option(help="Seeds per cell: a count N (0..N-1) or a list (101,202; one: 7,).")
+    ] = "1",
     outer_lr_grid: Annotated[
         list[str] | None,
         typer.Option(
             help="Outer lrs to try: multipliers of each preset's lr (0.5,1,2), or absolute "
             "values for one aggregator (isoloco=1.2,1.8,2.4); repeatable."
+        ),
+    ] = None,
+    outer_momentum_grid: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Outer momenta to try, for the presets with momentum (0.8,0.9), or for one "
+            "aggregator (isoloco=0.7,0.8); repeatable."
+        ),
+    ] = None,
+    inner_lr: Annotated[
+        float | None, typer.Option(help="Inner (AdamW) lr of every cell, overriding the presets'.")
+    ] = None,
+    weight_decay: Annotated[
+        float | None,
+        typer.Option(help="Inner weight decay of every cell, overriding the presets'."),
+    ] = None,
+    val_seed: Annotated[
+        int | None,
+        typer.Option(
+            help="Seed of the validation documents, shared by every seed "
+            "(default: each seed's own)."
         ),
     ] = None,
     baseline: Annotated[
@@ -111,15 +146,15 @@ def compare_command(
     debug: Debug = False,
 ) -> None:
     """Which aggregator for my R and H (a FLOP-matched sweep), or which merge method (merge)."""
-    from mergekit_loco import compare
-
     console = Console(quiet=quiet)
     if mode not in MODES:
         raise ValueError(f"--mode must be one of {', '.join(MODES)}, not {mode!r}")
     if mode == "merge":
         if base is None or finetuned is None or data is None:
             raise ValueError("--mode merge needs --base, --finetuned and --data")
-        compare.compare_merges(
+        from mergekit_loco.compare.merges import compare_merges
+
+        compare_merges(
             base=base,
             finetuned=split_list("--finetuned", finetuned),
             data=split_list("--data", data),
@@ -137,18 +172,24 @@ def compare_command(
         return
     given = {"model": model, "tokens": tokens, "global_batch": global_batch, "seq_len": seq_len,
              "data": data, "vocab_size": vocab_size, "val_tokens": val_tokens,
-             "eval_every": eval_every}  # fmt: skip
-    sweep = compare.Sweep(
+             "eval_every": eval_every, "inner_lr": inner_lr, "weight_decay": weight_decay,
+             "val_seed": val_seed}  # fmt: skip
+    from mergekit_loco.compare import sweep as sweeping
+
+    sweep = sweeping.Sweep(
         aggregators=split_list("--aggregators", aggregators),
         workers=split_list("--workers", workers, int),
         inner_steps=split_list("--inner-steps", inner_steps, int),
-        seeds=tuple(range(seeds)),
-        outer_lr_grid=compare.OuterLrGrid.parse(outer_lr_grid or []),
+        seeds=parse_seeds(seeds),
+        outer_lr_grid=sweeping.Grid.parse(outer_lr_grid or []),
+        outer_momentum_grid=sweeping.Grid.parse(
+            outer_momentum_grid or [], option="--outer-momentum-grid", relative=False
+        ),
         baseline=baseline,
         shared={key: value for key, value in given.items() if value is not None},
     )
     try:
-        compare.run_sweep(
+        sweeping.run_sweep(
             sweep, output, jobs=jobs, console=console, progress=not quiet, figures=figures
         )
     except (KeyboardInterrupt, TrainingInterrupted):
@@ -170,9 +211,9 @@ def report_command(
 ) -> None:
     """Re-render tables and figures from saved results (no training); several merge-mode folders
     (e.g. one per fine-tune seed) are combined into mean ± std."""
-    from mergekit_loco import report
+    from mergekit_loco.compare import render
 
-    report.render(results, output, console=Console(), figures=figures)
+    render(results, output, console=Console(), figures=figures)
 
 
 @user_errors
@@ -188,6 +229,13 @@ def eval_command(
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the held-out split (as in training).")] = 0,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    val_sets: Annotated[
+        int,
+        typer.Option(
+            help="Cut K * --tokens held-out tokens into K disjoint sets and report each and "
+            "their spread (the noise of one evaluation)."
+        ),
+    ] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
     debug: Debug = False,
 ) -> None:
@@ -202,6 +250,7 @@ def eval_command(
         tokenizer=tokenizer,
         seed=seed,
         device=device,
+        val_sets=val_sets,
     )
     if as_json:
         print(json.dumps([result.record() for result in results], indent=2))

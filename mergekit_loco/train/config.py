@@ -94,6 +94,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     warmup_fraction: float = 0.1
     seed: int = 0
+    #: seed of the validation documents (None: ``seed``); one value shares them across seeds.
+    val_seed: int | None = None
     data: str = "stdlib"
     tokenizer: str | None = None
     vocab_size: int = 4096

@@ -176,12 +176,15 @@ def prepare_data(
     val_tokens: int = 65536,
     vocab_size: int = 4096,
     seed: int = 0,
+    val_seed: int | None = None,
 ) -> PreparedData:
     """Tokenize ``spec`` into ``train`` and ``val`` streams (``doc EOS doc EOS ...``), cached.
 
     Documents in ``sha256(seed, name)`` order: whole documents go to validation until it holds
     ``val_tokens`` (then cut to exactly that), the following ones to training until it holds
     ``max_train_tokens`` (then cut; None takes all). No held-out document's token is trained on.
+    ``val_seed`` (default ``seed``) orders the documents for validation only: a fixed
+    validation set shared by every ``seed``, which still orders the training documents.
     """
     if val_tokens < 0 or (max_train_tokens is not None and max_train_tokens < 1):
         raise ValueError(
@@ -205,13 +208,14 @@ def prepare_data(
         max_train_tokens,
         val_tokens,
         seed,
+        *(() if val_seed is None else (val_seed,)),
     )
     path = cache_dir / "tokens" / f"{key[:24]}.pt"
     if path.is_file():
         cached = torch.load(path, weights_only=True)
     else:
         cached = _tokenize_split(
-            documents, tokenizer_object, eos_id, spec, max_train_tokens, val_tokens, seed
+            documents, tokenizer_object, eos_id, spec, max_train_tokens, val_tokens, seed, val_seed
         )
         buffer = io.BytesIO()
         torch.save(cached, buffer)
@@ -239,8 +243,9 @@ def _tokenize_split(
     max_train_tokens: int | None,
     val_tokens: int,
     seed: int,
+    val_seed: int | None = None,
 ) -> dict:
-    order = hash_order(documents, str(seed))
+    order = hash_order(documents, str(seed if val_seed is None else val_seed))
     encoded = _encoded_documents(order, tokenizer, eos_id)
     val = array("q")
     held_out = 0
@@ -253,6 +258,8 @@ def _tokenize_split(
             )
         val.extend(ids)
         held_out += 1
+    if val_seed is not None:  # the rest in the seed's own order
+        encoded = _encoded_documents(hash_order(order[held_out:], str(seed)), tokenizer, eos_id)
     train = array("q")
     for ids in encoded:
         train.extend(ids)

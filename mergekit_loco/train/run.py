@@ -255,6 +255,7 @@ def load_data(config: TrainConfig, tokenizer_path: str | None, rounds: int) -> P
             val_tokens=config.val_tokens,
             vocab_size=config.vocab_size,
             seed=config.seed,
+            val_seed=config.val_seed,
         )
     except ValueError as error:
         raise ValueError(

@@ -1,0 +1,39 @@
+"""Comparisons and their reports: which aggregator for my R and H, which merge method.
+
+- :mod:`.sweep`: the aggregator sweep (plan and run FLOP-matched training cells);
+  :mod:`.sweep_report` its tables, tuned outer values and orderings.
+- :mod:`.merges`: the merge evaluation; :mod:`.merge_report` its scores and tables.
+- :mod:`.stats`: spreads, paired differences and t-intervals both reports use;
+  :mod:`.runs`: run folders on disk; :mod:`.figures`: the PNGs.
+
+Importing this package loads no torch: ``mloco report`` re-renders without it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from rich.console import Console
+
+
+def render(
+    folders: Sequence[str | Path],
+    out: str | Path | None = None,
+    console: Console | None = None,
+    figures: bool = True,
+) -> None:
+    """Re-render what ``mloco compare`` left in ``folders``: one sweep, or one or more merge
+    comparisons (combined as fine-tune sets; then ``out`` is required)."""
+    from mergekit_loco.compare.merge_report import EVALUATIONS, report_merges
+    from mergekit_loco.compare.sweep_report import report_sweep
+
+    folders = [Path(folder) for folder in folders]
+    if all((folder / EVALUATIONS).is_file() for folder in folders):
+        if out is None and len(folders) > 1:
+            raise ValueError("combining several merge comparisons needs --output")
+        report_merges(folders, out or folders[0], console=console, figures=figures)
+    elif len(folders) == 1:
+        report_sweep(folders[0], console=console, figures=figures)
+    else:
+        raise ValueError("several folders combine merge comparisons only (with evaluations.json)")

@@ -1,0 +1,116 @@
+"""Merge evaluation: which merge method keeps my fine-tunes? Merge, evaluate, report.
+
+Merge fine-tunes with every method and scale, evaluate every merge on every fine-tune's domain,
+choose the scale on one half of the held-out tokens, report on the other
+(:mod:`mergekit_loco.compare.merge_report`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from rich.console import Console
+
+from mergekit_loco import evaluate
+from mergekit_loco.compare.merge_report import EVALUATIONS, MergeRow, report_merges
+from mergekit_loco.io.atomic import write_atomically
+from mergekit_loco.merge import merge_checkpoints
+from mergekit_loco.methods import get_method
+
+MERGED = "merged"
+DEFAULT_EVAL_SEQ_LEN = 128
+
+
+def merge_label(method: str, scale: float) -> str:
+    return f"{method}-{scale:g}"
+
+
+def compare_merges(
+    base: str | Path,
+    finetuned: Sequence[str | Path],
+    data: Sequence[str],
+    methods: Sequence[str],
+    scales: Sequence[float],
+    out: str | Path,
+    eval_tokens: int = 32768,
+    seq_len: int | None = None,
+    tokenizer: str | Path | None = None,
+    seed: int = 0,
+    force: bool = False,
+    console: Console | None = None,
+    figures: bool = True,
+    device: str = "cpu",
+) -> list[MergeRow]:
+    """Merge ``finetuned`` (fine-tune t trained on domain ``data[t]``) with every method and
+    scale into ``out/merged/<method>-<scale>/``, evaluate the base, the fine-tunes and every
+    merge on every domain's held-out tokens (split in halves: ``select`` chooses each method's
+    scale, ``test`` is reported), save ``out/evaluations.json`` and write the report.
+
+    Existing merges are reused unless ``force``. ``seed`` is the data seed the fine-tunes were
+    trained with (it decides the held-out documents); ``eval_tokens`` should not exceed their
+    ``val_tokens``.
+    """
+    out = Path(out)
+    console = console or Console(quiet=True)
+    seq_len = seq_len or DEFAULT_EVAL_SEQ_LEN
+    if len(finetuned) != len(data):
+        raise ValueError(
+            f"--finetuned has {len(finetuned)} models but --data {len(data)} domains; give each "
+            "fine-tune's own domain, in the same order"
+        )
+    if len(finetuned) < 2:
+        raise ValueError("--finetuned: merging needs at least two fine-tuned models")
+    if len(set(data)) != len(data):
+        raise ValueError(f"--data: each fine-tune needs its own domain, got {', '.join(data)}")
+    for method in methods:
+        get_method(method)
+    if not scales or any(scale <= 0 for scale in scales):
+        raise ValueError(f"--scales must be positive numbers, got {list(scales)}")
+    if eval_tokens < 4 * seq_len:
+        raise ValueError(f"--eval-tokens {eval_tokens} is too few for two halves of windows")
+
+    models = {"base": (str(base), "base", None, None)}
+    for path, domain in zip(finetuned, data, strict=True):
+        models[f"finetune:{domain}"] = (str(path), "finetuned", None, None)
+    for method in methods:
+        for scale in scales:
+            label = merge_label(method, scale)
+            target = out / MERGED / label
+            if force or not target.exists():
+                console.print(f"merging {label}")
+                merge_checkpoints(finetuned, base, method, target, scale=scale, force=force,
+                                  progress=False)  # fmt: skip
+            models[label] = (str(target), "merge", method, scale)
+
+    folder = evaluate.tokenizer_folder(base, tokenizer)
+    halves = {}
+    for domain in data:
+        ids = evaluate.held_out_tokens(domain, folder, eval_tokens, seed)
+        middle = ids.numel() // 2
+        halves[domain] = {"select": ids[:middle], "test": ids[middle:]}
+    records = []
+    for label, (path, kind, method, scale) in models.items():
+        console.print(f"evaluating {label}")
+        model = evaluate.load_model(path, device)
+        losses = {
+            domain: {
+                split: evaluate.loss_on(model, ids, seq_len, device=device)
+                for split, ids in splits.items()
+            }
+            for domain, splits in halves.items()
+        }
+        records.append({"label": label, "kind": kind, "method": method, "scale": scale,
+                        "path": path, "losses": losses})  # fmt: skip
+    document = {
+        "base": str(base),
+        "finetuned": [str(path) for path in finetuned],
+        "domains": list(data),
+        "seed": seed,
+        "eval_tokens": eval_tokens,
+        "seq_len": seq_len,
+        "models": records,
+    }
+    write_atomically(out / EVALUATIONS, json.dumps(document, indent=2) + "\n")
+    return report_merges([out], out, console=console, figures=figures)

@@ -1,0 +1,165 @@
+"""Training runs as saved on disk: run folders of a sweep, or the ``results.csv`` of a report.
+
+A sweep ``OUT`` holds one run folder per cell in ``OUT/runs/`` (names from
+:mod:`mergekit_loco.run_layout`). A published results folder may hold only the ``results.csv``
+that a report wrote from them (one row per run, no curves): :func:`load_runs` reads either.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mergekit_loco import run_layout
+
+#: the preset of the data-parallel AdamW baseline every sweep is compared with.
+BASELINE = "dp"
+#: written into a run folder whose run could not finish (see sweep.run_cell), with the error.
+FAILED_FILE = "failed.json"
+RESULTS_CSV = "results.csv"
+RUN_COLUMNS = (
+    "name", "aggregator", "workers", "inner_steps", "seed", "outer_lr", "outer_momentum",
+    "tokens", "global_batch", "seq_len", "model", "val_loss", "status",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Run:
+    """One training run as saved: its config and its final validation loss (None: unfinished;
+    inf: failed), with the validation and training loss curves against tokens seen.
+    ``outer_lr`` and ``outer_momentum`` are None for the data-parallel baseline."""
+
+    name: str
+    aggregator: str
+    workers: int
+    inner_steps: int
+    seed: int
+    outer_lr: float | None
+    tokens: int | None
+    global_batch: int | None
+    seq_len: int | None
+    model: str | None
+    val_loss: float | None
+    status: str
+    outer_momentum: float | None = None
+    val_curve: tuple[tuple[int, float], ...] = field(default=(), repr=False)
+    train_curve: tuple[tuple[int, float], ...] = field(default=(), repr=False)
+
+    def row(self) -> dict:
+        return {column: getattr(self, column) for column in RUN_COLUMNS}
+
+
+def read_run_config(run_dir: Path) -> dict[str, Any]:
+    """The run's configuration as one flat dict of TrainConfig field names (the only reader of
+    ``config.json`` here: a change of its layout is fixed in this one function)."""
+    return json.loads((run_dir / run_layout.CONFIG).read_text())
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """The events of the run's metrics file (a torn last line of a killed run is dropped)."""
+    path = run_dir / run_layout.METRICS
+    if not path.exists():
+        return []
+    events = []
+    for line in path.read_text().splitlines():
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return events
+
+
+def is_finished(run_dir: Path) -> bool:
+    """A run is finished when its metrics end with the final event, or when it failed."""
+    if (run_dir / FAILED_FILE).exists():
+        return True
+    events = read_metrics(run_dir)
+    return bool(events) and events[-1].get("event") == "final"
+
+
+def load_run(run_dir: Path) -> Run:
+    """Read one run folder (its config and metrics)."""
+    if not (run_dir / run_layout.CONFIG).exists():
+        raise FileNotFoundError(
+            f"{run_dir / run_layout.CONFIG}: not a training run (no {run_layout.CONFIG})"
+        )
+    config = read_run_config(run_dir)
+    events = read_metrics(run_dir)
+    tokens_per_round = config["inner_steps"] * config["global_batch"] * config["seq_len"]
+    val_curve, train_curve = [], []
+    for event in events:
+        kind, tokens = event.get("event"), event.get("round", 0) * tokens_per_round
+        if kind == "round" and event.get("train_loss") is not None:
+            train_curve.append((tokens, float(event["train_loss"])))
+        elif kind in ("eval", "final") and event.get("val_loss") is not None:
+            val_curve.append((tokens, float(event["val_loss"])))
+    final = events[-1] if events and events[-1].get("event") == "final" else None
+    if (run_dir / FAILED_FILE).exists():
+        status, val_loss = "failed", math.inf
+    elif final is not None:
+        status, val_loss = "finished", float(final["val_loss"])
+    else:
+        status, val_loss = "unfinished", None
+    tokens = (final or {}).get("tokens", config.get("tokens"))
+    outer = config.get("mode") != "dp"
+    return Run(
+        name=run_dir.name,
+        aggregator=config.get("preset") or config.get("aggregator"),
+        workers=int(config.get("workers", 1)),
+        inner_steps=int(config.get("inner_steps", 0)),
+        seed=int(config.get("seed", 0)),
+        outer_lr=config.get("outer_lr") if outer else None,
+        outer_momentum=config.get("outer_momentum") if outer else None,
+        tokens=None if tokens is None else int(tokens),
+        global_batch=config.get("global_batch"),
+        seq_len=config.get("seq_len"),
+        model=config.get("model"),
+        val_loss=val_loss,
+        status=status,
+        val_curve=tuple(val_curve),
+        train_curve=tuple(train_curve),
+    )
+
+
+def load_runs(results_dir: str | Path) -> list[Run]:
+    """Every run under ``results_dir/runs/`` sorted by name, or, where there is no such folder,
+    the rows of ``results_dir/results.csv`` (without curves)."""
+    results_dir = Path(results_dir)
+    runs_dir = results_dir / run_layout.SWEEP_RUNS
+    if runs_dir.is_dir():
+        return [load_run(d) for d in sorted(runs_dir.iterdir()) if (d / run_layout.CONFIG).exists()]
+    if (results_dir / RESULTS_CSV).is_file():
+        return runs_from_table(results_dir / RESULTS_CSV)
+    raise FileNotFoundError(f"{runs_dir}: no runs (is {results_dir} a compare output folder?)")
+
+
+def runs_from_table(path: Path) -> list[Run]:
+    """The runs of a ``results.csv`` written by a report (a missing column reads as empty)."""
+
+    def number(text: str | None, kind: type) -> Any:
+        return None if text in (None, "") else kind(text)
+
+    with open(path, newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    return [
+        Run(
+            name=row["name"],
+            aggregator=row["aggregator"],
+            workers=int(row["workers"]),
+            inner_steps=int(row["inner_steps"]),
+            seed=int(row["seed"]),
+            outer_lr=number(row.get("outer_lr"), float),
+            outer_momentum=number(row.get("outer_momentum"), float),
+            tokens=number(row.get("tokens"), int),
+            global_batch=number(row.get("global_batch"), int),
+            seq_len=number(row.get("seq_len"), int),
+            model=row.get("model") or None,
+            val_loss=number(row.get("val_loss"), float),
+            status=row["status"],
+        )
+        for row in rows
+    ]

@@ -1,0 +1,121 @@
+"""Statistics over seeds (or fine-tune sets): spread, paired differences, t-intervals, orderings.
+
+Two runs that share a seed share their initial weights, data order and validation documents,
+so their losses are compared **paired**: ``d_s = a_s - b_s`` over the seeds both ran. The
+interval of ``mean(d)`` is Student's t: ``mean(d) ± t_{(1+c)/2, n-1} * sd(d) / sqrt(n)``. An
+ordering is stated only where that interval excludes 0.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+#: confidence of every interval in the reports.
+CONFIDENCE = 0.95
+
+
+@dataclass(frozen=True)
+class Spread:
+    """``n`` values: mean, sample standard deviation (ddof 1; nan for n = 1), min and max."""
+
+    mean: float
+    std: float
+    low: float
+    high: float
+    n: int
+
+
+def spread(values: Sequence[float]) -> Spread:
+    """``mean = sum(x) / n``; ``std = sqrt(sum((x - mean)^2) / (n - 1))``."""
+    if not values:
+        raise ValueError("spread of no values")
+    n = len(values)
+    mean = math.fsum(values) / n
+    if n < 2 or not all(math.isfinite(v) for v in values):
+        std = math.nan
+    else:
+        std = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1))
+    return Spread(mean=mean, std=std, low=min(values), high=max(values), n=n)
+
+
+def paired_difference(a: Mapping[int, float], b: Mapping[int, float]) -> tuple[float, bool | None]:
+    """``(delta, significant)`` by the rule of the first published tables: ``delta = mean(d)``,
+    significant when ``|delta| > std(d)`` (ddof 1). None (cannot tell) with fewer than two
+    shared seeds or a failed run. Weak (about p = 0.4 with two seeds): new reports use
+    :func:`paired_interval`."""
+    interval = paired_interval(a, b)
+    if interval.separated is None:
+        return interval.mean, None
+    return interval.mean, abs(interval.mean) > interval.std
+
+
+@dataclass(frozen=True)
+class PairedInterval:
+    """``d_s = a_s - b_s`` over ``n`` shared seeds: mean, sd (ddof 1) and the ``confidence``
+    t-interval ``[low, high]`` of the mean (nan where it cannot be formed)."""
+
+    mean: float
+    std: float
+    low: float
+    high: float
+    n: int
+    confidence: float
+
+    @property
+    def separated(self) -> bool | None:
+        """True when the interval excludes 0 (a real difference), False when it holds 0, None
+        when there is no interval (fewer than two seeds, a failed run)."""
+        if self.n < 2 or not (math.isfinite(self.low) and math.isfinite(self.high)):
+            return None
+        return self.low > 0 or self.high < 0
+
+    @property
+    def half_width(self) -> float:
+        return (self.high - self.low) / 2
+
+
+def paired_interval(
+    a: Mapping[int, float], b: Mapping[int, float], confidence: float = CONFIDENCE
+) -> PairedInterval:
+    """The t-interval of ``mean_s(a_s - b_s)`` over the seeds both ran."""
+    from scipy.stats import t as student_t
+
+    seeds = sorted(set(a) & set(b))
+    if not seeds:
+        return PairedInterval(math.nan, math.nan, math.nan, math.nan, 0, confidence)
+    differences = spread([a[seed] - b[seed] for seed in seeds])
+    if differences.n < 2 or not math.isfinite(differences.std):
+        return PairedInterval(differences.mean, math.nan, math.nan, math.nan, differences.n,
+                              confidence)  # fmt: skip
+    quantile = float(student_t.ppf((1 + confidence) / 2, differences.n - 1))
+    half = quantile * differences.std / math.sqrt(differences.n)
+    return PairedInterval(differences.mean, differences.std, differences.mean - half,
+                          differences.mean + half, differences.n, confidence)  # fmt: skip
+
+
+def ordering(losses: Mapping[str, Mapping[int, float]], confidence: float = CONFIDENCE) -> str:
+    """Names sorted by mean loss, joined by ``<`` where the paired interval of the neighbours'
+    difference excludes 0 and by ``~`` where it does not (cannot tell), e.g. ``a < b ~ c``."""
+    means = {name: spread(list(by_seed.values())).mean for name, by_seed in losses.items()}
+    names = sorted(means, key=lambda name: (math.isnan(means[name]), means[name]))
+    if not names:
+        return ""
+    text = names[0]
+    for previous, name in zip(names, names[1:], strict=False):
+        interval = paired_interval(losses[previous], losses[name], confidence)
+        text += (" < " if interval.separated else " ~ ") + name
+    return text
+
+
+def format_interval(interval: PairedInterval, digits: int = 4) -> str:
+    """``-0.0400 [-0.0520, -0.0280]`` (separated), ``+0.0012 [-0.0100, +0.0124] n.s.``, or
+    ``+0.0012 ?`` (one seed: no interval)."""
+    if math.isnan(interval.mean):
+        return "-"
+    text = f"{interval.mean:+.{digits}f}"
+    if interval.separated is None:
+        return text + " ?"
+    text += f" [{interval.low:+.{digits}f}, {interval.high:+.{digits}f}]"
+    return text if interval.separated else text + " n.s."

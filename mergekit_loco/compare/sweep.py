@@ -1,0 +1,284 @@
+"""The aggregator sweep: which aggregator for my R and H?
+
+Every (aggregator, R, H, seed, outer lr, outer momentum) cell is an ordinary training run in
+``OUT/runs/<cell>/`` under the FLOP-matched protocol (every cell sees the same tokens with the
+same global batch; each of R workers takes ``global_batch / R`` sequences per inner step), plus
+the data-parallel AdamW baseline once per seed. A finished cell is never rerun; an unfinished
+one resumes. The report is :mod:`mergekit_loco.compare.sweep_report`.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import shutil
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+
+from mergekit_loco import run_layout
+from mergekit_loco.compare.runs import BASELINE, FAILED_FILE, is_finished, load_run, read_run_config
+from mergekit_loco.compare.sweep_report import SummaryRow, report_sweep
+from mergekit_loco.compare.tables import format_number
+from mergekit_loco.io.atomic import write_atomically
+from mergekit_loco.train.checkpoint import latest_checkpoint
+from mergekit_loco.train.config import TrainConfig, preset_config
+from mergekit_loco.train.loop import train
+
+
+# -- planning ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Cell:
+    """One training run of a sweep: a preset at R workers, H inner steps, one seed, outer lr and
+    momentum (None: the preset's own)."""
+
+    aggregator: str
+    workers: int
+    inner_steps: int
+    seed: int
+    outer_lr: float | None = None
+    outer_momentum: float | None = None
+
+    @property
+    def name(self) -> str:
+        if self.aggregator == BASELINE:
+            return f"{self.aggregator}-s{self.seed}"
+        lr = "" if self.outer_lr is None else f"-lr{self.outer_lr:g}"
+        momentum = "" if self.outer_momentum is None else f"-m{self.outer_momentum:g}"
+        return f"{self.aggregator}-R{self.workers}-H{self.inner_steps}{lr}{momentum}-s{self.seed}"
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Values of one outer hyperparameter to try. ``relative`` (outer lr): ``default`` holds
+    multipliers of each preset's value; otherwise (outer momentum) the values themselves, for
+    the presets that have momentum. ``named`` holds absolute values for named aggregators (these
+    win). Empty: the preset's own value only."""
+
+    default: tuple[float, ...] = ()
+    named: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+    relative: bool = True
+    option: str = "--outer-lr-grid"
+
+    @classmethod
+    def parse(
+        cls, specs: Sequence[str], option: str = "--outer-lr-grid", relative: bool = True
+    ) -> Grid:
+        """``["0.5,1,2"]`` -> default; ``["isoloco=1.2,1.8", "diloco=0.7"]`` -> named."""
+        default: tuple[float, ...] = ()
+        named: dict[str, tuple[float, ...]] = {}
+        example = "0.5,1,2" if relative else "0.8,0.9"
+        for spec in specs:
+            name, _, values = spec.rpartition("=")
+            try:
+                numbers = tuple(float(v) for v in values.split(",") if v.strip())
+            except ValueError:
+                raise ValueError(f"{option} {spec!r}: expected numbers like {example}") from None
+            if not numbers or any(v <= 0 for v in numbers):
+                raise ValueError(f"{option} {spec!r}: give positive numbers")
+            if not relative and any(v >= 1 for v in numbers):
+                raise ValueError(f"{option} {spec!r}: momentum must lie in (0, 1)")
+            if name:
+                named[name.strip()] = numbers
+            elif default:
+                raise ValueError(f"{option}: give the values for every aggregator once")
+            else:
+                default = numbers
+        return cls(default, named, relative, option)
+
+    def values(self, aggregator: str, preset_value: float) -> list[float | None]:
+        """The values for ``aggregator``; the preset's own is written None (one cell name for
+        it with and without a grid). An absolute grid skips presets without momentum (0)
+        unless it names them."""
+        if aggregator in self.named:
+            values = self.named[aggregator]
+        elif self.default and self.relative:
+            values = tuple(m * preset_value for m in self.default)
+        elif self.default and preset_value > 0:
+            values = self.default
+        else:
+            return [None]
+        tolerance = 1e-12 * abs(preset_value)
+        return [None if abs(v - preset_value) <= tolerance else v for v in values]
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """The cells to run. ``shared`` holds the TrainConfig fields all cells have in common
+    (model, tokens, global_batch, seq_len, data, and e.g. inner_lr, weight_decay, val_seed,
+    which then override every preset's): that is what makes them FLOP-matched."""
+
+    aggregators: Sequence[str]
+    workers: Sequence[int]
+    inner_steps: Sequence[int] = (30,)
+    seeds: Sequence[int] = (0,)
+    outer_lr_grid: Grid = Grid()
+    outer_momentum_grid: Grid = Grid(relative=False, option="--outer-momentum-grid")
+    baseline: bool = True
+    shared: Mapping[str, Any] = field(default_factory=dict)
+
+
+def plan(sweep: Sweep) -> list[Cell]:
+    """Every cell of ``sweep``, baseline first. Checks up front that the grids name swept
+    aggregators, that the global batch splits over every R, and that every cell trains on the
+    same number of tokens (a budget of whole rounds for every H)."""
+    for grid in (sweep.outer_lr_grid, sweep.outer_momentum_grid):
+        unknown = set(grid.named) - set(sweep.aggregators)
+        if unknown:
+            raise ValueError(f"{grid.option} names {sorted(unknown)[0]!r}, not in --aggregators")
+    if BASELINE in sweep.aggregators:
+        raise ValueError(f"{BASELINE!r} is the baseline; it runs unless --no-baseline")
+    if len(set(sweep.seeds)) != len(sweep.seeds):
+        raise ValueError(f"--seeds: a seed is given twice in {list(sweep.seeds)}")
+    cells = []
+    if sweep.baseline:
+        cells += [Cell(BASELINE, 1, sweep.inner_steps[0], seed) for seed in sweep.seeds]
+    for aggregator in sweep.aggregators:
+        first = Cell(aggregator, sweep.workers[0], sweep.inner_steps[0], sweep.seeds[0])
+        preset = cell_config(sweep, first, Path())
+        lrs = sweep.outer_lr_grid.values(aggregator, preset.outer_lr)
+        momenta = sweep.outer_momentum_grid.values(aggregator, preset.outer_momentum)
+        for inner_steps in sweep.inner_steps:
+            for workers in sweep.workers:
+                for lr in lrs:
+                    for momentum in momenta:
+                        cells += [Cell(aggregator, workers, inner_steps, seed, lr, momentum)
+                                  for seed in sweep.seeds]  # fmt: skip
+    configs = {cell.inner_steps: cell_config(sweep, cell, Path()) for cell in cells}
+    budgets = {steps: trained_tokens(config) for steps, config in configs.items()}
+    if len(set(budgets.values())) > 1:
+        raise ValueError(
+            "cells would train on different token counts ("
+            + ", ".join(f"H={h}: {t:,}" for h, t in sorted(budgets.items()))
+            + "); choose --tokens as a multiple of every round size H x global batch x seq len ("
+            + ", ".join(f"{c.tokens_per_round():,}" for c in configs.values())
+            + ")"
+        )
+    return cells
+
+
+def trained_tokens(config: TrainConfig) -> int | None:
+    """Tokens a run trains on: whole rounds of the budget (None for a per-parameter budget)."""
+    if config.chinchilla is not None:
+        return None
+    return config.total_rounds() * config.tokens_per_round()
+
+
+def cell_config(sweep: Sweep, cell: Cell, run_dir: Path, **runtime) -> TrainConfig:
+    """The validated training config of ``cell``: its preset, the shared fields, R, H, seed, lr.
+    Unless ``shared`` says otherwise, a cell evaluates about 8 times and checkpoints about 4
+    times over its rounds (so a stopped sweep resumes mid-cell)."""
+    cell_fields = {"seed": cell.seed, "out": str(run_dir), **runtime}
+    cell_fields |= {"workers": cell.workers, "inner_steps": cell.inner_steps}
+    if cell.outer_lr is not None:
+        cell_fields["outer_lr"] = cell.outer_lr
+    if cell.outer_momentum is not None:
+        cell_fields["outer_momentum"] = cell.outer_momentum
+    config = preset_config(cell.aggregator, **{**sweep.shared, **cell_fields})
+    rounds = config.total_rounds() if config.chinchilla is None else 8
+    cadence = {"eval_every": max(1, rounds // 8), "checkpoint_every": max(1, rounds // 4)}
+    return replace(config, **{k: v for k, v in cadence.items() if k not in sweep.shared})
+
+
+# -- running ----------------------------------------------------------------------------------
+def run_cell(sweep: Sweep, cell: Cell, run_dir: Path, progress: bool = False) -> str:
+    """Train one cell: ``"ran"``, ``"resumed"`` (from its latest checkpoint), ``"failed"`` or
+    ``"stopped"`` (by ``stop_after``; it resumes next time).
+
+    A run that cannot finish for numerical reasons (a non-finite loss, e.g. at a too-large outer
+    lr, or an SVD of the aggregator that does not converge) is an outcome of the cell, not an
+    error of the sweep: it is recorded in ``failed.json`` and the sweep goes on (delete the
+    folder to try it again). The checkpoints of a finished cell are deleted (final/ is kept).
+    """
+    resumable = latest_checkpoint(run_dir) is not None
+    if resumable:
+        config = cell_config(sweep, cell, run_dir, resume=True)
+        check_same_run(config, run_dir)
+    else:  # new, or stopped before its first checkpoint: start over
+        config = cell_config(sweep, cell, run_dir, force=True)
+    try:
+        if not train(config, progress=progress).finished:
+            return "stopped"  # stop_after: resumes next time
+        outcome = "resumed" if resumable else "ran"
+    except (FloatingPointError, torch.linalg.LinAlgError) as error:
+        failure = {"error": f"{type(error).__name__}: {error}"}
+        write_atomically(run_dir / FAILED_FILE, json.dumps(failure) + "\n")
+        outcome = "failed"
+    shutil.rmtree(run_dir / run_layout.CHECKPOINTS, ignore_errors=True)
+    return outcome
+
+
+def check_same_run(config: TrainConfig, run_dir: Path) -> None:
+    """Refuse to reuse a run folder that holds a run of another config."""
+    differences = config.differences(read_run_config(run_dir))
+    if differences:
+        raise ValueError(
+            f"{run_dir} holds another run ({'; '.join(differences)}); choose another -o folder"
+        )
+
+
+def _run_cell_alone(sweep: Sweep, cell: Cell, run_dir: Path, threads: int) -> str:
+    """:func:`run_cell` in a pool process, with ``threads`` torch threads."""
+    torch.set_num_threads(threads)
+    return run_cell(sweep, cell, run_dir)
+
+
+def run_sweep(
+    sweep: Sweep,
+    out: str | Path,
+    jobs: int = 1,
+    console: Console | None = None,
+    progress: bool = True,
+    figures: bool = True,
+) -> list[SummaryRow]:
+    """Run every unfinished cell of ``sweep`` into ``out/runs/`` (``jobs`` at a time, each in
+    its own process with ``cpu_count / jobs`` threads), then write the report."""
+    if jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {jobs}")
+    runs_dir = Path(out) / run_layout.SWEEP_RUNS
+    cells = plan(sweep)
+    console = console or Console(quiet=True)
+    todo = []
+    for cell in cells:
+        run_dir = runs_dir / cell.name
+        if is_finished(run_dir):
+            check_same_run(cell_config(sweep, cell, run_dir), run_dir)
+        else:
+            todo.append(cell)
+    console.print(
+        f"{len(cells)} cells, {len(cells) - len(todo)} finished before, {len(todo)} to run"
+    )
+    started = time.perf_counter()
+
+    def done(count: int, cell: Cell, outcome: str) -> None:
+        loss = load_run(runs_dir / cell.name).val_loss
+        console.print(
+            f"[{count}/{len(todo)}] {cell.name}: {outcome}, val loss {format_number(loss)}"
+            f" ({time.perf_counter() - started:.0f} s into the sweep)"
+        )
+
+    if jobs == 1:
+        for count, cell in enumerate(todo, start=1):
+            done(count, cell, run_cell(sweep, cell, runs_dir / cell.name, progress))
+    else:
+        threads = max(1, (os.cpu_count() or 1) // jobs)
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(jobs, mp_context=context) as pool:
+            futures = {
+                pool.submit(_run_cell_alone, sweep, cell, runs_dir / cell.name, threads): cell
+                for cell in todo
+            }
+            try:
+                for count, future in enumerate(as_completed(futures), start=1):
+                    done(count, futures[future], future.result())
+            except BaseException:
+                pool.shutdown(cancel_futures=True)
+                raise
+    return report_sweep(out, console=console, figures=figures)

@@ -1,0 +1,344 @@
+"""The report of an aggregator sweep: seed summaries per cell, tuned outer values, tables, files.
+
+Everything is read from what the runs left on disk (:mod:`mergekit_loco.compare.runs`), so
+``mloco report`` re-renders a sweep without training.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from mergekit_loco.compare.runs import BASELINE, RUN_COLUMNS, Run, load_runs
+from mergekit_loco.compare.stats import Spread, format_interval, ordering, paired_interval, spread
+from mergekit_loco.compare.tables import csv_text, format_loss, format_number, json_value
+from mergekit_loco.io.atomic import write_atomically
+
+#: an outer setting: (outer lr, outer momentum); (None, None) for the baseline.
+Setting = tuple[float | None, float | None]
+TUNED_FILE = "tuned.json"
+
+
+@dataclass(frozen=True)
+class SummaryRow:
+    """One (aggregator, R, H) cell over its seeds, at the outer setting with the lowest mean
+    loss: ``losses`` maps seed -> final val loss there; ``sweep`` holds every setting tried."""
+
+    aggregator: str
+    workers: int
+    inner_steps: int
+    outer_lr: float | None
+    outer_momentum: float | None
+    losses: Mapping[int, float]
+    sweep: tuple[tuple[Setting, Spread], ...]
+
+    @property
+    def loss(self) -> Spread:
+        return spread(list(self.losses.values()))
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.aggregator == BASELINE
+
+    @property
+    def grid_edges(self) -> tuple[str, ...]:
+        """Where the chosen value is the lowest or highest tried: the grid should be extended
+        that way (see :func:`grid_edges`)."""
+        return grid_edges(
+            [setting for setting, _ in self.sweep], (self.outer_lr, self.outer_momentum)
+        )
+
+
+def grid_edges(settings: Iterable[Setting], chosen: Setting) -> tuple[str, ...]:
+    """``("outer lr: highest tried", ...)`` for each coordinate of ``chosen`` that is the
+    lowest or highest of two or more values tried (the other coordinate held at its chosen
+    value)."""
+    edges = []
+    settings = list(settings)
+    for index, name in enumerate(("outer lr", "outer momentum")):
+        values = sorted(
+            {
+                s[index]
+                for s in settings
+                if s[1 - index] == chosen[1 - index] and s[index] is not None
+            }
+        )
+        if len(values) < 2 or chosen[index] is None:
+            continue
+        if chosen[index] == values[0]:
+            edges.append(f"{name}: lowest tried")
+        elif chosen[index] == values[-1]:
+            edges.append(f"{name}: highest tried")
+    return tuple(edges)
+
+
+def summarize(runs: Iterable[Run]) -> list[SummaryRow]:
+    """Group finished runs by (aggregator, R, H, outer lr, momentum) and keep per (aggregator,
+    R, H) the setting with the lowest mean over seeds. The baseline is one row (R = 1, H = 0)."""
+    cells: dict[tuple, dict[Setting, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
+    for run in runs:
+        if run.val_loss is None:
+            continue
+        key = (
+            (BASELINE, 1, 0)
+            if run.aggregator == BASELINE
+            else (run.aggregator, run.workers, run.inner_steps)
+        )
+        cells[key][(run.outer_lr, run.outer_momentum)][run.seed] = run.val_loss
+    rows = []
+    for (aggregator, workers, inner_steps), by_setting in cells.items():
+        spreads = {s: spread(list(losses.values())) for s, losses in by_setting.items()}
+        best = min(spreads, key=lambda s: spreads[s].mean)
+        sweep = tuple(sorted(spreads.items(), key=lambda item: _sort_key(item[0])))
+        rows.append(SummaryRow(aggregator, workers, inner_steps, *best, by_setting[best], sweep))
+    return sorted(rows, key=lambda r: (not r.is_baseline, r.inner_steps, r.workers, r.loss.mean))
+
+
+def _sort_key(setting: Setting) -> tuple[float, float]:
+    return tuple(-1.0 if value is None else value for value in setting)  # type: ignore[return-value]
+
+
+def tuned_settings(summary: Sequence[SummaryRow]) -> list[dict]:
+    """Per (aggregator, H) swept at one or more R: the setting with the lowest mean over those
+    R of the seed-mean loss, among the settings tried at every R, with the R used and the grid
+    edges it sits on (a value at an edge means: extend the grid and tune again)."""
+    groups: dict[tuple[str, int], list[SummaryRow]] = defaultdict(list)
+    for row in summary:
+        if not row.is_baseline and len(row.sweep) > 1:
+            groups[(row.aggregator, row.inner_steps)].append(row)
+    tuned = []
+    for (aggregator, steps), rows in sorted(groups.items()):
+        by_setting = [dict(row.sweep) for row in rows]
+        shared = set.intersection(*(set(settings) for settings in by_setting))
+        if not shared:
+            continue
+        score = {s: sum(settings[s].mean for settings in by_setting) / len(rows) for s in shared}
+        best = min(score, key=score.__getitem__)
+        tuned.append(
+            {
+                "aggregator": aggregator,
+                "inner_steps": steps,
+                "outer_lr": best[0],
+                "outer_momentum": best[1],
+                "workers": sorted(row.workers for row in rows),
+                "mean_loss": score[best],
+                "grid_edges": list(grid_edges(shared, best)),
+            }
+        )
+    return tuned
+
+
+# -- tables -----------------------------------------------------------------------------------
+def baseline_of(summary: Sequence[SummaryRow]) -> SummaryRow | None:
+    return next((row for row in summary if row.is_baseline), None)
+
+
+def best_in_group(summary: Sequence[SummaryRow], row: SummaryRow) -> SummaryRow:
+    """The row with the lowest mean among the aggregators at ``row``'s R and H."""
+    group = [
+        r
+        for r in summary
+        if not r.is_baseline and (r.workers, r.inner_steps) == (row.workers, row.inner_steps)
+    ]
+    return min(group, key=lambda r: r.loss.mean)
+
+
+def format_difference(row: SummaryRow, other: SummaryRow | None) -> str:
+    """``row - other`` paired by seed with its t-interval (see :func:`stats.format_interval`)."""
+    if other is None or row is other:
+        return ""
+    if any(loss == float("inf") for loss in (row.loss.mean, other.loss.mean)):
+        return "failed"
+    return format_interval(paired_interval(row.losses, other.losses))
+
+
+SIGNIFICANCE_NOTE = (
+    "± is the std over seeds. Differences are paired by seed, with a 95% t-interval; n.s. = "
+    "the interval holds 0 (cannot tell); ? = one seed."
+)
+
+
+def summary_table(summary: Sequence[SummaryRow], title: str = "Final validation loss") -> Table:
+    """The rich table: one row per (aggregator, R, H) at its best outer setting."""
+    baseline = baseline_of(summary)
+    table = Table(title=title, caption=SIGNIFICANCE_NOTE)
+    for column in ("aggregator", "R", "H", "outer lr", "momentum", "val loss", "min-max", "seeds"):
+        table.add_column(column, justify="left" if column == "aggregator" else "right")
+    table.add_column("vs best at R", justify="right")
+    table.add_column(f"vs {BASELINE}", justify="right")
+    for row in summary:
+        best = None if row.is_baseline else best_in_group(summary, row)
+        loss = row.loss
+        table.add_row(
+            f"[bold]{row.aggregator}[/]" if row is best else row.aggregator,
+            "-" if row.is_baseline else str(row.workers),
+            "-" if row.is_baseline else str(row.inner_steps),
+            format_number(row.outer_lr, 3),
+            format_number(row.outer_momentum, 2),
+            format_loss(loss),
+            f"{format_number(loss.low)}-{format_number(loss.high)}" if loss.n > 1 else "",
+            str(loss.n),
+            "best" if row is best else format_difference(row, best),
+            format_difference(row, baseline),
+        )
+    return table
+
+
+def orderings(summary: Sequence[SummaryRow]) -> list[str]:
+    """Per (R, H): the aggregators and the baseline by mean loss, ``<`` only where separated."""
+    baseline = baseline_of(summary)
+    lines = []
+    for steps, workers in sorted(
+        {(r.inner_steps, r.workers) for r in summary if not r.is_baseline}
+    ):
+        group = {
+            r.aggregator: r.losses
+            for r in summary
+            if (r.workers, r.inner_steps) == (workers, steps) and not r.is_baseline
+        }
+        if baseline is not None:
+            group[BASELINE] = baseline.losses
+        lines.append(f"R={workers} H={steps}: {ordering(group)}")
+    return lines
+
+
+def sweep_table(summary: Sequence[SummaryRow]) -> Table | None:
+    """Every outer setting tried, where some cell tried more than one; None otherwise."""
+    swept = [row for row in summary if len(row.sweep) > 1]
+    if not swept:
+        return None
+    table = Table(title="Outer-lr sweep (val loss over seeds; * = chosen; ! = at a grid edge)")
+    for column in ("aggregator", "R", "H", "outer lr", "momentum", "val loss"):
+        table.add_column(column, justify="left" if column == "aggregator" else "right")
+    for row in swept:
+        for (lr, momentum), loss in row.sweep:
+            chosen = (lr, momentum) == (row.outer_lr, row.outer_momentum)
+            mark = (" *" + (" !" if row.grid_edges else "")) if chosen else ""
+            table.add_row(
+                row.aggregator,
+                str(row.workers),
+                str(row.inner_steps),
+                format_number(lr, 3),
+                format_number(momentum, 2),
+                format_loss(loss) + mark,
+            )
+    return table
+
+
+# -- files ------------------------------------------------------------------------------------
+SUMMARY_COLUMNS = (
+    "aggregator",
+    "workers",
+    "inner_steps",
+    "outer_lr",
+    "outer_momentum",
+    "val_loss_mean",
+    "val_loss_std",
+    "val_loss_low",
+    "val_loss_high",
+    "val_loss_n",
+    "grid_edges",
+)
+
+
+def summary_records(summary: Sequence[SummaryRow]) -> list[dict]:
+    records = []
+    for row in summary:
+        record = {
+            "aggregator": row.aggregator,
+            "workers": row.workers,
+            "inner_steps": row.inner_steps,
+            "outer_lr": row.outer_lr,
+            "outer_momentum": row.outer_momentum,
+            **{f"val_loss_{k}": json_value(v) for k, v in asdict(row.loss).items()},
+            "grid_edges": "; ".join(row.grid_edges),
+            "outer_sweep": [
+                {
+                    "outer_lr": lr,
+                    "outer_momentum": momentum,
+                    **{k: json_value(v) for k, v in asdict(s).items()},
+                }
+                for (lr, momentum), s in row.sweep
+            ],
+        }
+        records.append(record)
+    return records
+
+
+def write_sweep_tables(runs: Sequence[Run], summary: Sequence[SummaryRow], out: Path) -> None:
+    """``results.csv`` (one row per run), ``summary.csv`` and ``results.json`` (both), and
+    ``tuned.json`` where outer values were swept at several R."""
+    write_atomically(out / "results.csv", csv_text([run.row() for run in runs], RUN_COLUMNS))
+    records = summary_records(summary)
+    write_atomically(out / "summary.csv", csv_text(records, SUMMARY_COLUMNS) if records else "")
+    document = {
+        "runs": [{k: json_value(v) for k, v in run.row().items()} for run in runs],
+        "summary": records,
+    }
+    write_atomically(out / "results.json", json.dumps(document, indent=2) + "\n")
+    tuned = tuned_settings(summary)
+    if tuned:
+        write_atomically(out / TUNED_FILE, json.dumps(tuned, indent=2) + "\n")
+
+
+def tuned_table(tuned: Sequence[dict]) -> Table:
+    table = Table(title="Tuned outer values (lowest mean loss over R; ! = at a grid edge)")
+    for column in ("aggregator", "H", "outer lr", "momentum", "over R", "mean loss"):
+        table.add_column(column, justify="left" if column == "aggregator" else "right")
+    for entry in tuned:
+        edge = " ! " + "; ".join(entry["grid_edges"]) if entry["grid_edges"] else ""
+        table.add_row(
+            entry["aggregator"],
+            str(entry["inner_steps"]),
+            format_number(entry["outer_lr"], 3),
+            format_number(entry["outer_momentum"], 2),
+            ",".join(map(str, entry["workers"])),
+            format_number(entry["mean_loss"]) + edge,
+        )
+    return table
+
+
+def report_sweep(
+    results_dir: str | Path, console: Console | None = None, figures: bool = True
+) -> list[SummaryRow]:
+    """Re-render a sweep from ``results_dir/runs``: tables (results.csv, summary.csv,
+    results.json, tuned.json), the terminal tables, and loss_vs_workers.png + curves.png."""
+    out = Path(results_dir)
+    runs = load_runs(out)
+    if not runs:
+        raise FileNotFoundError(f"{out}: no runs yet")
+    summary = summarize(runs)
+    write_sweep_tables(runs, summary, out)
+    if figures and summary:
+        from mergekit_loco.compare import figures as plots
+
+        plots.plot_loss_vs_workers(summary, out / "loss_vs_workers.png")
+        plots.plot_curves(runs, summary, out / "curves.png")
+    if console is not None:
+        pending = [run.name for run in runs if run.status == "unfinished"]
+        if summary:
+            console.print(summary_table(summary))
+            for line in orderings(summary):
+                console.print(line, highlight=False)
+        lr_table = sweep_table(summary)
+        if lr_table is not None:
+            console.print(lr_table)
+        tuned = tuned_settings(summary)
+        if tuned:
+            console.print(tuned_table(tuned))
+        edges = [
+            f"{r.aggregator} R={r.workers} H={r.inner_steps} ({'; '.join(r.grid_edges)})"
+            for r in summary
+            if r.grid_edges
+        ]
+        if edges:
+            console.print(f"best value at a grid edge, extend the grid: {', '.join(edges)}")
+        if pending:
+            console.print(f"{len(pending)} unfinished run(s): {', '.join(pending)}")
+    return summary
