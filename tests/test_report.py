@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import importlib.util
 import io
 import json
 import math
@@ -13,7 +14,13 @@ import pytest
 from rich.console import Console
 
 from mergekit_loco.compare import merge_report, render, runs, sweep_report
-from mergekit_loco.compare.stats import paired_difference, spread
+from mergekit_loco.compare.stats import (
+    format_interval,
+    ordering,
+    paired_difference,
+    paired_interval,
+    spread,
+)
 from mergekit_loco.train.config import preset_config
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -49,10 +56,13 @@ def test_paired_difference_by_hand():
 
 # -- sweep reports --------------------------------------------------------------------------------
 def write_run(root: Path, name: str, preset: str, workers: int, seed: int, val_loss: float | None,
-              outer_lr: float | None = None) -> None:  # fmt: skip
+              outer_lr: float | None = None,
+              outer_momentum: float | None = None) -> None:  # fmt: skip
     """A run folder as the trainer leaves it: config.json and metrics.jsonl (4 rounds, eval
     every 2), the final event only when ``val_loss`` is given."""
     overrides = {} if outer_lr is None else {"outer_lr": outer_lr}
+    if outer_momentum is not None:
+        overrides["outer_momentum"] = outer_momentum
     config = preset_config(preset, model="micro", workers=workers, inner_steps=2, global_batch=4,
                            seq_len=8, tokens=256, seed=seed, **overrides)  # fmt: skip
     folder = root / "runs" / name
@@ -185,3 +195,114 @@ def test_merge_scores_by_hand(tmp_path):
 
     with pytest.raises(ValueError, match="needs --output"):
         render([tmp_path / "set0", tmp_path / "set1"])
+
+
+def test_paired_interval_by_hand():
+    # differences -0.5, -0.4, -0.6: mean -0.5, sd 0.1, n 3. Student's t with 2 degrees of
+    # freedom has the closed form t_p = (2p - 1) * sqrt(2 / (4p(1 - p))); p = 0.975.
+    t_975_2 = 0.95 * math.sqrt(2 / (4 * 0.975 * 0.025))
+    interval = paired_interval({0: 1.0, 1: 2.0, 2: 3.0}, {0: 1.5, 1: 2.4, 2: 3.6})
+    half = t_975_2 * 0.1 / math.sqrt(3)
+    assert math.isclose(interval.mean, -0.5) and interval.n == 3
+    assert math.isclose(interval.low, -0.5 - half) and math.isclose(interval.high, -0.5 + half)
+    assert interval.separated is True  # -0.5 +- 0.248 excludes 0
+    # two seeds, differences -0.1 and -0.3: one degree of freedom, t = tan(pi * 0.475)
+    interval = paired_interval({0: 1.0, 1: 2.0}, {0: 1.1, 1: 2.3})
+    half = math.tan(math.pi * 0.475) * (0.2 / math.sqrt(2)) / math.sqrt(2)
+    assert math.isclose(interval.half_width, half) and interval.separated is False
+    assert format_interval(interval) == f"-0.2000 [{-0.2 - half:+.4f}, {-0.2 + half:+.4f}] n.s."
+    # a 50% interval of the same: t = tan(pi / 4) = 1, half = 0.1
+    narrow = paired_interval({0: 1.0, 1: 2.0}, {0: 1.1, 1: 2.3}, confidence=0.5)
+    assert math.isclose(narrow.high, -0.1) and math.isclose(narrow.low, -0.3)
+    one = paired_interval({0: 1.0, 4: 2.0}, {0: 1.5})
+    assert one.separated is None and format_interval(one) == "-0.5000 ?"
+    assert paired_interval({0: 1.0}, {1: 1.0}).n == 0
+
+
+def test_ordering_states_only_separated_neighbours():
+    # means a 2.0, b 3.0, c 3.0167. a - b per seed: -1.0, -1.1, -0.9 (mean -1, sd 0.1: the
+    # interval -1 +- 0.25 excludes 0); b - c: -0.1, +0.2, -0.15 (mean -0.017, sd 0.19: holds 0)
+    losses = {
+        "c": {0: 2.1, 1: 2.9, 2: 4.05},
+        "a": {0: 1.0, 1: 2.0, 2: 3.0},
+        "b": {0: 2.0, 1: 3.1, 2: 3.9},
+    }
+    assert ordering(losses) == "a < b ~ c"
+    assert ordering({"b": losses["b"], "a": losses["a"]}) == "a < b"
+    assert ordering({}) == ""
+
+
+# -- the published results reproduce from their committed data -----------------------------------
+RESULTS = Path(__file__).parents[1] / "docs" / "results"
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, RESULTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_published_aggregator_tables_reproduce_from_results_csv():
+    summary = sweep_report.summarize(runs.load_runs(RESULTS / "aggregators"))
+    with open(RESULTS / "aggregators" / "summary.csv") as handle:
+        published = {(r["aggregator"], r["workers"]): r for r in csv.DictReader(handle)}
+    assert len(summary) == len(published) == 33
+    for row in summary:
+        saved = published[(row.aggregator, str(row.workers))]
+        assert math.isclose(row.loss.mean, float(saved["val_loss_mean"]), rel_tol=1e-12)
+        assert math.isclose(row.loss.std, float(saved["val_loss_std"]), rel_tol=1e-9)
+    # the claims table of aggregators.md, by the rule it was published with
+    claims = load_script("aggregator_claims")
+    rows = {(r.aggregator, r.workers, r.inner_steps): r for r in summary}
+    settings, table = claims.claim_rows(rows, rule="sd", digits=6)
+    assert settings == [(10, 2), (10, 4), (10, 8), (10, 16)]
+    text = (RESULTS / "aggregators.md").read_text()
+    for _claim, pair, *cells in table:
+        line = next(line for line in text.splitlines() if f"| {pair} |" in line)
+        for shown, cell in zip(line.strip(" |").split(" | ")[2:], cells, strict=True):
+            # published to 3 digits (rounded by hand from the script's 4), same n.s. marks
+            assert abs(float(shown.split()[0]) - float(cell.split()[0])) < 6e-4, (pair, cell)
+            assert shown.split()[1:] == cell.split()[1:], (pair, cell)
+
+
+def test_published_merge_tables_reproduce_from_merge_results(tmp_path):
+    documents = merge_report.documents_from_results(RESULTS / "merging" / "merge_results.json")
+    merge_report.report_documents(documents, tmp_path, figures=False)
+    for name in ("merge_results.csv", "merge_summary.csv", "merge_results.json"):
+        assert (tmp_path / name).read_text() == (RESULTS / "merging" / name).read_text(), name
+
+
+# -- tuning ---------------------------------------------------------------------------------------
+def test_tuning_picks_the_mean_over_r_and_flags_grid_edges(tmp_path):
+    # diloco at R = 2 and 4, outer lr 0.35 / 0.7 / 1.4, momentum 0.8 / 0.9; one seed.
+    # Loss = 3 + (lr - best_lr(R))^2 + (momentum - 0.9)^2 with best lr 0.7 at R=2, 1.2 at R=4 (1.4 the nearest tried)
+    lrs, momenta = (0.35, 0.7, 1.4), (0.8, 0.9)
+    expected = {}
+    for workers, best_lr in ((2, 0.7), (4, 1.2)):
+        for lr in lrs:
+            for momentum in momenta:
+                loss = 3 + (lr - best_lr) ** 2 + (momentum - 0.9) ** 2
+                expected[(workers, lr, momentum)] = loss
+                write_run(tmp_path, f"diloco-R{workers}-lr{lr}-m{momentum}", "diloco", workers,
+                          0, loss, outer_lr=lr, outer_momentum=momentum)  # fmt: skip
+    output = io.StringIO()
+    summary = sweep_report.report_sweep(tmp_path, console=Console(file=output, width=200),
+                                        figures=False)  # fmt: skip
+    by_r = {row.workers: row for row in summary}
+    assert (by_r[2].outer_lr, by_r[2].outer_momentum) == (0.7, 0.9)
+    assert by_r[2].grid_edges == ("outer momentum: highest tried",)
+    assert by_r[4].grid_edges == ("outer lr: highest tried", "outer momentum: highest tried")
+    # over R: mean of the two losses per setting, by hand
+    means = {(lr, m): (expected[(2, lr, m)] + expected[(4, lr, m)]) / 2
+             for lr in lrs for m in momenta}  # fmt: skip
+    best = min(means, key=means.__getitem__)
+    [tuned] = json.loads((tmp_path / sweep_report.TUNED_FILE).read_text())
+    # lr 0.7: (0 + 0.25) / 2 against lr 1.4: (0.49 + 0.04) / 2
+    assert (tuned["outer_lr"], tuned["outer_momentum"]) == best == (0.7, 0.9)
+    assert tuned["workers"] == [2, 4] and math.isclose(tuned["mean_loss"], means[best])
+    assert tuned["grid_edges"] == ["outer momentum: highest tried"]
+    text = output.getvalue()
+    assert "Tuned outer values" in text and "extend the grid" in text
+    with open(tmp_path / "results.csv") as handle:
+        assert {r["outer_momentum"] for r in csv.DictReader(handle)} == {"0.8", "0.9"}

@@ -1,18 +1,26 @@
 """The paper's claims, checked on a sweep folder: paired differences per R (see aggregators.md).
 
-python docs/results/aggregator_claims.py RESULTS
+    python docs/results/aggregator_claims.py RESULTS [--rule t|sd]
+
+RESULTS is a ``mloco compare`` folder (its ``runs/``) or a published folder holding only its
+``results.csv``. ``--rule t`` (default) gives each difference its 95% t-interval and orders
+aggregators only where intervals separate; ``--rule sd`` is the rule of the first, untuned
+tables (a difference counts when larger than the sd of its per-seed differences).
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
+from collections.abc import Mapping
 
 from rich.console import Console
 from rich.table import Table
 
-from mergekit_loco.report import BASELINE, load_runs, paired_difference, summarize
+from mergekit_loco.compare.runs import BASELINE, load_runs
+from mergekit_loco.compare.stats import format_interval, paired_difference, paired_interval
+from mergekit_loco.compare.sweep_report import SummaryRow, orderings, summarize
 
-#: (claim, a, b): the claim holds where a's loss is lower than b's (delta < 0), beyond the spread.
+#: (claim, a, b): the claim holds where a's loss is lower than b's (delta < 0), beyond the noise.
 CLAIMS = [
     ("1. Iso-C beats averaging without momentum", "isoc-sgd", "diloco-sgd"),
     ("1. ... and momentum-DiLoCo without momentum", "isoc-sgd", "diloco"),
@@ -32,35 +40,50 @@ def key(aggregator: str, workers: int, steps: int) -> tuple[str, int, int]:
     return (BASELINE, 1, 0) if aggregator == BASELINE else (aggregator, workers, steps)
 
 
-def main(results: str) -> None:
-    rows = {
-        (row.aggregator, row.workers, row.inner_steps): row for row in summarize(load_runs(results))
-    }
+def difference(left: SummaryRow, right: SummaryRow, rule: str, digits: int) -> str:
+    """``left - right`` paired by seed, marked by ``rule``."""
+    if rule == "t":
+        return format_interval(paired_interval(left.losses, right.losses), digits)
+    delta, significant = paired_difference(left.losses, right.losses)
+    return f"{delta:+.{digits}f}" + {True: "", False: " n.s.", None: " ?"}[significant]
+
+
+def claim_rows(
+    rows: Mapping[tuple, SummaryRow], rule: str = "t", digits: int = 4
+) -> tuple[list[tuple[int, int]], list[list[str]]]:
+    """The (H, R) settings, and per claim ``[claim, "a - b", cell per setting]``."""
     settings = sorted({(r.inner_steps, r.workers) for r in rows.values() if not r.is_baseline})
-    table = Table(title="loss(a) - loss(b), paired by seed (negative: a is better)")
-    table.add_column("claim")
-    table.add_column("a - b")
-    for steps, workers in settings:
-        table.add_column(f"R={workers} H={steps}", justify="right")
+    table = []
     for claim, a, b in CLAIMS:
         cells = []
         for steps, workers in settings:
             left, right = rows.get(key(a, workers, steps)), rows.get(key(b, workers, steps))
-            if left is None or right is None:
-                cells.append("-")
-                continue
-            delta, significant = paired_difference(left.losses, right.losses)
-            mark = {True: "", False: " n.s.", None: " ?"}[significant]
-            cells.append(f"{delta:+.4f}{mark}")
-        table.add_row(claim, f"{a} - {b}", *cells)
-    Console(width=160).print(table)
+            cells.append("-" if left is None or right is None else
+                         difference(left, right, rule, digits))  # fmt: skip
+        table.append([claim, f"{a} - {b}", *cells])
+    return settings, table
+
+
+def main(results: str, rule: str = "t") -> None:
+    summary = summarize(load_runs(results))
+    rows = {(row.aggregator, row.workers, row.inner_steps): row for row in summary}
+    settings, claims = claim_rows(rows, rule)
+    title = "loss(a) - loss(b), paired by seed (negative: a is better)"
+    table = Table(title=title + (", 95% t-interval" if rule == "t" else ""))
+    table.add_column("claim")
+    table.add_column("a - b")
     for steps, workers in settings:
-        ranked = sorted(
-            (r for r in rows.values() if (r.workers, r.inner_steps) == (workers, steps)),
-            key=lambda r: r.loss.mean,
-        )
-        print(f"R={workers} H={steps}: " + " < ".join(r.aggregator for r in ranked))
+        table.add_column(f"R={workers} H={steps}", justify="right")
+    for row in claims:
+        table.add_row(*row)
+    Console(width=240).print(table)
+    if rule == "t":
+        print("\n".join(orderings(summary)))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results")
+    parser.add_argument("--rule", choices=("t", "sd"), default="t")
+    arguments = parser.parse_args()
+    main(arguments.results, arguments.rule)

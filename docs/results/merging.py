@@ -7,6 +7,9 @@ out every document the evaluation uses (checked below), so no evaluated token wa
 Finally the seeds are combined into docs/results/merging/.
 
     MLOCO_AUSTEN_DIR=... MLOCO_BIBLE_DIR=... python docs/results/merging.py WORK_DIR
+
+``python docs/results/merging.py --report [OUT]`` re-renders the published tables from the
+committed docs/results/merging/merge_results.json (into OUT, default that folder).
 """
 
 from __future__ import annotations
@@ -16,7 +19,12 @@ from pathlib import Path
 
 from rich.console import Console
 
-from mergekit_loco import compare, report
+from mergekit_loco.compare.merge_report import (
+    documents_from_results,
+    report_documents,
+    report_merges,
+)
+from mergekit_loco.compare.merges import compare_merges
 from mergekit_loco.train.config import preset_config
 from mergekit_loco.train.data import load_or_train_tokenizer, prepare_data
 from mergekit_loco.train.loop import train
@@ -90,7 +98,7 @@ def run_seed(work: Path, seed: int, console: Console) -> Path:
             )
         finetuned.append(out / "final")
     merge_out = work / f"merge-s{seed}"
-    compare.compare_merges(
+    compare_merges(
         base_out / "final",
         finetuned,
         DOMAINS,
@@ -108,8 +116,17 @@ def run_seed(work: Path, seed: int, console: Console) -> Path:
 def main(work: Path) -> None:
     console = Console()
     folders = [run_seed(work, seed, console) for seed in SEEDS]
-    report.report_merges(folders, RESULTS, console=console)
+    report_merges(folders, RESULTS, console=console)
+
+
+def rerender(out: Path) -> None:
+    """The published report again, from its own merge_results.json."""
+    documents = documents_from_results(RESULTS / "merge_results.json")
+    report_documents(documents, out, console=Console(width=200))
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    if sys.argv[1] == "--report":
+        rerender(Path(sys.argv[2]) if len(sys.argv) > 2 else RESULTS)
+    else:
+        main(Path(sys.argv[1]))
