@@ -113,6 +113,49 @@ def test_outer_lr_grid_multipliers_and_absolute_values():
         plan(Sweep(["diloco"], [2], outer_lr_grid=Grid.parse(["tsv=1"]), shared=TOY))
 
 
+def test_outer_momentum_grid_applies_to_presets_with_momentum():
+    grid = Grid.parse(["0.8,0.95"], option="--outer-momentum-grid", relative=False)
+    assert grid.values("diloco", 0.9) == [0.8, 0.95]
+    assert grid.values("tsv", 0.0) == [None]  # no momentum: not swept unless named
+    assert Grid.parse(["tsv=0.5"], relative=False).values("tsv", 0.0) == [0.5]
+    lr_grid = Grid.parse(["diloco=0.7,1.4"])
+    sweep = Sweep(["diloco", "tsv"], [2], inner_steps=[2], seeds=[3, 5],
+                  outer_lr_grid=lr_grid, outer_momentum_grid=grid, baseline=False,
+                  shared={**TOY, "tokens": 1024})  # fmt: skip
+    cells = plan(sweep)
+    diloco = {(c.outer_lr, c.outer_momentum) for c in cells if c.aggregator == "diloco"}
+    assert diloco == {(None, 0.8), (None, 0.95), (1.4, 0.8), (1.4, 0.95)}
+    assert {c.seed for c in cells} == {3, 5} and len(cells) == (4 + 1) * 2
+    named = next(c for c in cells if (c.outer_lr, c.outer_momentum, c.seed) == (1.4, 0.95, 5))
+    assert named.name == "diloco-R2-H2-lr1.4-m0.95-s5"
+    config = cell_config(sweep, named, Path("x"))
+    assert (config.outer_lr, config.outer_momentum, config.nesterov) == (1.4, 0.95, True)
+    for bad in (["1.2"], ["0,0.5"]):
+        with pytest.raises(ValueError, match="--outer-momentum-grid"):
+            Grid.parse(bad, option="--outer-momentum-grid", relative=False)
+    with pytest.raises(ValueError, match="seed is given twice"):
+        plan(Sweep(["diloco"], [2], inner_steps=[2], seeds=[1, 1], shared={**TOY, "tokens": 1024}))
+
+
+def test_val_seed_fixes_the_validation_documents_across_seeds(domains):
+    from mergekit_loco.train.data import prepare_data
+
+    def split(seed, val_seed=None):
+        return prepare_data(domains[0], vocab_size=300, max_train_tokens=2000, val_tokens=1500,
+                            seed=seed, val_seed=val_seed)  # fmt: skip
+
+    shared = [split(seed, val_seed=9) for seed in (0, 1, 2)]
+    assert all(torch.equal(data.val, shared[0].val) for data in shared)
+    assert shared[0].val_documents == split(9).val_documents  # the held-out set of seed 9
+    # the seed still orders the training documents
+    assert not torch.equal(shared[0].train, shared[1].train)
+    # each seed's own split is unchanged: val_seed = seed is the default
+    for seed in (0, 1):
+        own, same = split(seed), split(seed, val_seed=seed)
+        assert torch.equal(own.val, same.val) and torch.equal(own.train, same.train)
+    assert split(0).val_documents != split(1).val_documents
+
+
 # -- running and resuming -----------------------------------------------------------------------
 def test_stopped_sweep_resumes_and_never_reruns_finished_cells(tmp_path, domains, monkeypatch):
     calls = []
@@ -271,6 +314,24 @@ def test_docs_examples_run(tmp_path, monkeypatch, capsys):
     assert "Final validation loss" in output and "Merged models" in output
 
 
+def test_compare_command_seed_list_shared_inner_settings_and_val_seed(tmp_path, domains):
+    """A user's tuning cell: listed seeds, one inner setting for every preset, a fixed
+    validation set, a momentum grid."""
+    run_mloco(
+        f"mloco compare --aggregators diloco,tsv --workers 2 --inner-steps 2 --seeds 3,5 "
+        f"--inner-lr 0.002 --weight-decay 0.05 --val-seed 7 --outer-momentum-grid 0.8 "
+        f"--model micro --global-batch 4 --seq-len 32 --vocab-size 300 --val-tokens 1024 "
+        f"--tokens 256 --data {domains[1]} --no-figures --quiet -o {tmp_path / 'out'}"
+    )
+    names = sorted(p.name for p in (tmp_path / "out" / "runs").iterdir())
+    assert names == ["diloco-R2-H2-m0.8-s3", "diloco-R2-H2-m0.8-s5", "dp-s3", "dp-s5",
+                     "tsv-R2-H2-s3", "tsv-R2-H2-s5"]  # fmt: skip
+    for name in names:
+        config = runs.read_run_config(tmp_path / "out" / "runs" / name)
+        assert (config["inner_lr"], config["weight_decay"], config["val_seed"]) == (0.002, 0.05, 7)
+        assert runs.is_finished(tmp_path / "out" / "runs" / name)
+
+
 def test_compare_command_errors_are_one_line(capsys):
     from mergekit_loco import cli
 
@@ -278,6 +339,12 @@ def test_compare_command_errors_are_one_line(capsys):
         (["--mode", "both"], "--mode must be one of aggregators, merge, not 'both'"),
         (["--mode", "merge", "--base", "b"], "--mode merge needs --base, --finetuned and --data"),
         (["--workers", "2,x"], "--workers: '2,x' is not a comma-separated list of int"),
+        (["--seeds", "0"], "--seeds: '0' is neither a count >= 1 nor a list like 0,1,2"),
+        (["--seeds", "1,-2"], "--seeds: '1,-2' needs seeds >= 0"),
+        (
+            ["--outer-momentum-grid", "0.9,1"],
+            "--outer-momentum-grid '0.9,1': momentum must lie in (0, 1)",
+        ),
     ):
         with pytest.raises(SystemExit) as exit_info:
             cli.main(["compare", "-o", "unused", *args])

@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from mergekit_loco import cli
-from mergekit_loco.evaluate import evaluate_models, held_out_tokens
+from mergekit_loco.evaluate import evaluate_models, held_out_tokens, val_set_spreads
 from mergekit_loco.train.data import load_or_train_tokenizer
 from mergekit_loco.train.model import build_model, model_config
 
@@ -103,3 +103,34 @@ def test_eval_command_json_and_errors(model_folder, corpus, tmp_path, capsys):
     error = capsys.readouterr().err
     assert error.startswith("error:") and "no tokenizer" in error and "--tokenizer" in error
     assert len(error.strip().splitlines()) == 1
+
+
+def test_val_sets_are_disjoint_slices_and_their_spread(model_folder, corpus, capsys, monkeypatch):
+    """K validation sets: consecutive slices of K * tokens held-out tokens; spread by hand."""
+    sets, tokens = 3, 200
+    ids = held_out_tokens(corpus, model_folder, sets * tokens)
+    expected = [direct_loss(model_folder, ids[k * tokens : (k + 1) * tokens])[0] for k in range(3)]
+    results = evaluate_models([model_folder], [corpus], tokens=tokens, seq_len=SEQ_LEN,
+                              val_sets=sets)  # fmt: skip
+    assert [r.val_set for r in results] == [0, 1, 2]
+    for result, loss in zip(results, expected, strict=True):
+        assert math.isclose(result.loss, loss, rel_tol=1e-6)
+    [noise] = val_set_spreads(results).values()
+    mean = sum(expected) / 3
+    std = math.sqrt(sum((loss - mean) ** 2 for loss in expected) / 2)
+    assert math.isclose(noise.mean, mean, rel_tol=1e-6) and math.isclose(
+        noise.std, std, rel_tol=1e-4
+    )
+    assert (noise.low, noise.high) == (min(r.loss for r in results), max(r.loss for r in results))
+
+    monkeypatch.setenv("COLUMNS", "400")  # one table line per row
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["eval", str(model_folder), "--data", corpus, "--tokens", str(tokens),
+                  "--seq-len", str(SEQ_LEN), "--val-sets", "3"])  # fmt: skip
+    assert exit_info.value.code == 0
+    output = capsys.readouterr().out
+    assert f"{corpus} #2" in output and f"{mean:.4f} ± {std:.4f}" in output
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["eval", str(model_folder), "--data", corpus, "--val-sets", "0"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == "error: --val-sets must be >= 1, got 0\n"

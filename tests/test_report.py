@@ -276,7 +276,8 @@ def test_published_merge_tables_reproduce_from_merge_results(tmp_path):
 # -- tuning ---------------------------------------------------------------------------------------
 def test_tuning_picks_the_mean_over_r_and_flags_grid_edges(tmp_path):
     # diloco at R = 2 and 4, outer lr 0.35 / 0.7 / 1.4, momentum 0.8 / 0.9; one seed.
-    # Loss = 3 + (lr - best_lr(R))^2 + (momentum - 0.9)^2 with best lr 0.7 at R=2, 1.2 at R=4 (1.4 the nearest tried)
+    # Loss = 3 + (lr - best_lr(R))^2 + (momentum - 0.9)^2 with best lr 0.7 at R=2, 1.2 at R=4
+    # (1.4 the nearest tried)
     lrs, momenta = (0.35, 0.7, 1.4), (0.8, 0.9)
     expected = {}
     for workers, best_lr in ((2, 0.7), (4, 1.2)):
