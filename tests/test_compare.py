@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import math
 import re
@@ -351,3 +352,27 @@ def test_compare_command_errors_are_one_line(capsys):
         assert exit_info.value.code == 2
         error = capsys.readouterr().err
         assert error == f"error: {message}\n"
+
+
+def test_gpu_scale_out_script_runs_at_toy_size(tmp_path, domains, capsys):
+    """benchmarks/compare_gpu.py: the 178M protocol (R = 8, 4 rounds) at micro size on CPU."""
+    path = Path(__file__).parents[1] / "benchmarks" / "compare_gpu.py"
+    spec = importlib.util.spec_from_file_location("compare_gpu", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "gpu"
+    script.main([str(out), "--size", "toy", "--data", domains[1], "--aggregators",
+                 "diloco,isoloco"])  # fmt: skip
+    names = {"dp-s0", "diloco-R8-H2-s0", "isoloco-R8-H2-s0"}
+    assert {p.name for p in (out / "runs").iterdir()} == names
+    assert all(runs.is_finished(out / "runs" / name) for name in names)
+    for name in names:
+        config = runs.read_run_config(out / "runs" / name)
+        assert (config["inner_lr"], config["val_seed"], config["tokens"]) == (
+            1.38e-3,
+            1000,
+            4 * 2 * 8 * 32,
+        )
+    assert (out / "curves.png").is_file() and (out / "loss_vs_workers.png").is_file()
+    output = capsys.readouterr().out
+    assert "Time per cell" in output and "no GPU" in output

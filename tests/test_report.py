@@ -56,13 +56,9 @@ def test_paired_difference_by_hand():
 
 # -- sweep reports --------------------------------------------------------------------------------
 def write_run(root: Path, name: str, preset: str, workers: int, seed: int, val_loss: float | None,
-              outer_lr: float | None = None,
-              outer_momentum: float | None = None) -> None:  # fmt: skip
+              **overrides) -> None:  # fmt: skip
     """A run folder as the trainer leaves it: config.json and metrics.jsonl (4 rounds, eval
-    every 2), the final event only when ``val_loss`` is given."""
-    overrides = {} if outer_lr is None else {"outer_lr": outer_lr}
-    if outer_momentum is not None:
-        overrides["outer_momentum"] = outer_momentum
+    every 2), the final event only when ``val_loss`` is given; ``overrides``: config fields."""
     config = preset_config(preset, model="micro", workers=workers, inner_steps=2, global_batch=4,
                            seq_len=8, tokens=256, seed=seed, **overrides)  # fmt: skip
     folder = root / "runs" / name
@@ -85,7 +81,7 @@ def test_report_rerenders_a_sweep_from_saved_metrics(tmp_path):
     # diloco at R = 2 with two outer lrs: 1.4 has the lower mean and is chosen
     for seed, (at_07, at_14) in enumerate(((3.0, 2.9), (3.2, 3.0))):
         write_run(tmp_path, f"diloco-R2-H2-s{seed}", "diloco", 2, seed, at_07)
-        write_run(tmp_path, f"diloco-R2-H2-lr1.4-s{seed}", "diloco", 2, seed, at_14, 1.4)
+        write_run(tmp_path, f"diloco-R2-H2-lr1.4-s{seed}", "diloco", 2, seed, at_14, outer_lr=1.4)
     for seed, loss in ((0, 2.5), (1, 2.6)):
         write_run(tmp_path, f"isoloco-R2-H2-s{seed}", "isoloco", 2, seed, loss)
     write_run(tmp_path, "tsv-R2-H2-s0", "tsv", 2, 0, None)  # unfinished
@@ -307,3 +303,40 @@ def test_tuning_picks_the_mean_over_r_and_flags_grid_edges(tmp_path):
     assert "Tuned outer values" in text and "extend the grid" in text
     with open(tmp_path / "results.csv") as handle:
         assert {r["outer_momentum"] for r in csv.DictReader(handle)} == {"0.8", "0.9"}
+
+
+# -- the staged protocol's decisions (docs/results/aggregators_tuned.py) ---------------------------
+def test_protocol_decisions_by_hand(tmp_path, capsys):
+    decide = load_script("aggregators_tuned")
+    curve = [(100, 6.0), (200, 5.5), (400, 5.2), (800, 5.17), (1600, 5.16)]
+    # doubling from 100 gains 0.5, from 200 0.3, from 400 0.03 < 0.05
+    assert decide.flat_horizon(curve, 0.05) == 400
+    assert decide.flat_horizon(curve, 0.005) is None  # 800 -> 1600 gains 0.01
+
+    # inner lr: mean of dp, diloco R=2 and R=4 per lr; 2e-3 wins inside the grid
+    losses = {1e-3: (3.3, 3.4, 3.5), 2e-3: (3.0, 3.2, 3.1), 4e-3: (3.1, 3.3, 3.6)}
+    folders = []
+    for lr, (dp, r2, r4) in losses.items():
+        folder = tmp_path / f"lr{lr:g}"
+        write_run(folder, "dp-s9", "dp", 1, 9, dp, inner_lr=lr)
+        write_run(folder, "diloco-R2-s9", "diloco", 2, 9, r2, inner_lr=lr)
+        write_run(folder, "diloco-R4-s9", "diloco", 4, 9, r4, inner_lr=lr)
+        folders.append(str(folder))
+    assert decide.main(["inner", *folders]) == 0
+    assert capsys.readouterr().out == "0.002\n"
+    assert decide.main(["inner", *folders[:2]]) == 1  # best at the grid's high edge
+    assert "extend the grid" in capsys.readouterr().err
+
+    tuned = [{"aggregator": "isoloco", "inner_steps": 10, "outer_lr": 1.8, "outer_momentum": 0.9,
+              "workers": [2, 8], "mean_loss": 5.0, "grid_edges": []},
+             {"aggregator": "tsv", "inner_steps": 10, "outer_lr": 0.6, "outer_momentum": 0.0,
+              "workers": [2, 8], "mean_loss": 5.1, "grid_edges": []}]  # fmt: skip
+    (tmp_path / sweep_report.TUNED_FILE).write_text(json.dumps(tuned))
+    assert decide.main(["flags", str(tmp_path)]) == 0
+    assert capsys.readouterr().out == (
+        "--outer-lr-grid isoloco=1.8 --outer-momentum-grid isoloco=0.9 --outer-lr-grid tsv=0.6\n"
+    )
+    tuned[1]["grid_edges"] = ["outer lr: lowest tried"]
+    (tmp_path / sweep_report.TUNED_FILE).write_text(json.dumps(tuned))
+    assert decide.main(["flags", str(tmp_path)]) == 1
+    assert "tsv (outer lr: lowest tried)" in capsys.readouterr().err

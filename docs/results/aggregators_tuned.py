@@ -1,0 +1,116 @@
+"""The decisions between the stages of aggregators_tuned.sh, read off finished sweeps.
+
+    python docs/results/aggregators_tuned.py horizon HORIZON_DIR [--tolerance 0.05]
+    python docs/results/aggregators_tuned.py inner INNER_DIR...
+    python docs/results/aggregators_tuned.py flags TUNE_DIR
+
+Each prints its answer on stdout (what the script passes on) and its reasoning on stderr, and
+exits with 1 when the answer cannot be given yet (a curve not flat, an optimum on a grid edge):
+then the protocol says to extend that stage, not to go on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from mergekit_loco import run_layout
+from mergekit_loco.compare.runs import BASELINE, load_runs, read_run_config
+from mergekit_loco.compare.sweep_report import TUNED_FILE, summarize
+
+
+def say(text: str) -> None:
+    print(text, file=sys.stderr)
+
+
+def flat_horizon(curve: list[tuple[int, float]], tolerance: float) -> int | None:
+    """The fewest tokens ``t`` on the validation curve after which doubling the tokens gains
+    less than ``tolerance`` nats: ``loss(t) - loss(2t) < tolerance`` (``2t`` on the curve; the
+    curve of one long run, so before its learning rate has decayed: a conservative reading).
+    None when no point qualifies."""
+    losses = dict(curve)
+    for tokens, loss in sorted(curve):
+        if 2 * tokens in losses and loss - losses[2 * tokens] < tolerance:
+            return tokens
+    return None
+
+
+def horizon(folder: str, tolerance: float) -> int:
+    [run] = [r for r in load_runs(folder) if r.aggregator == "diloco" and r.status == "finished"]
+    for tokens, loss in run.val_curve:
+        say(f"{run.name}: {tokens:>10,} tokens  val loss {loss:.4f}")
+    tokens = flat_horizon(list(run.val_curve), tolerance)
+    if tokens is None:
+        say(f"not flat: no doubling gains < {tolerance} nats; rerun with more --tokens")
+        return 1
+    say(f"doubling from {tokens:,} tokens gains < {tolerance} nats")
+    print(tokens)
+    return 0
+
+
+def inner(folders: list[str]) -> int:
+    """The inner lr (of the folders, one per ``--inner-lr``) with the lowest mean loss over the
+    baseline and DiLoCo at every R swept."""
+    scores = {}
+    for folder in folders:
+        rows = [r for r in summarize(load_runs(folder)) if r.aggregator in ("diloco", BASELINE)]
+        [lr] = {run_config_lr(folder)}
+        scores[lr] = sum(row.loss.mean for row in rows) / len(rows)
+        say(f"inner lr {lr:g}: " + ", ".join(
+            f"{row.aggregator} R={row.workers} {row.loss.mean:.4f}" for row in rows
+        ) + f"; mean {scores[lr]:.4f}")  # fmt: skip
+    best = min(scores, key=scores.__getitem__)
+    if best in (min(scores), max(scores)):
+        say(f"best inner lr {best:g} is at the grid edge: extend the grid")
+        return 1
+    print(f"{best:g}")
+    return 0
+
+
+def run_config_lr(folder: str) -> float:
+    runs = Path(folder) / run_layout.SWEEP_RUNS
+    lrs = {read_run_config(run)["inner_lr"] for run in runs.iterdir() if run.is_dir()}
+    if len(lrs) != 1:
+        raise ValueError(f"{folder}: expected one inner lr, found {sorted(lrs)}")
+    return lrs.pop()
+
+
+def flags(folder: str) -> int:
+    """``--outer-lr-grid name=lr ... --outer-momentum-grid name=m ...`` of tuned.json."""
+    tuned = json.loads((Path(folder) / TUNED_FILE).read_text())
+    words, edges = [], []
+    for entry in tuned:
+        say(f"{entry['aggregator']}: outer lr {entry['outer_lr']:g}, momentum "
+            f"{entry['outer_momentum']}, mean loss {entry['mean_loss']:.4f} over R "
+            f"{entry['workers']}")  # fmt: skip
+        words.append(f"--outer-lr-grid {entry['aggregator']}={entry['outer_lr']:g}")
+        if entry["outer_momentum"]:
+            words.append(f"--outer-momentum-grid {entry['aggregator']}={entry['outer_momentum']:g}")
+        edges += [f"{entry['aggregator']} ({edge})" for edge in entry["grid_edges"]]
+    if edges:
+        say(f"at a grid edge, extend the grid and tune again: {', '.join(edges)}")
+        return 1
+    print(" ".join(words))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    found = commands.add_parser("horizon")
+    found.add_argument("folder")
+    found.add_argument("--tolerance", type=float, default=0.05)
+    commands.add_parser("inner").add_argument("folders", nargs="+")
+    commands.add_parser("flags").add_argument("folder")
+    arguments = parser.parse_args(argv)
+    if arguments.command == "horizon":
+        return horizon(arguments.folder, arguments.tolerance)
+    if arguments.command == "inner":
+        return inner(arguments.folders)
+    return flags(arguments.folder)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The tuned aggregator comparison (issue 14; protocol and cost: docs/compare.md, "A comparison
+# a reviewer would accept"). Nano model, embedded stdlib, CPU, two cells at a time with one
+# thread each. Every stage is an ordinary `mloco compare` folder: rerun this script to resume
+# (finished cells are skipped); it stops where a decision cannot be made yet (a curve that is
+# not flat, an optimum on a grid edge) and says what to extend.
+# Usage: bash docs/results/aggregators_tuned.sh [WORK_DIR]
+set -euo pipefail
+export OMP_NUM_THREADS=1
+WORK="${1:-results/aggregators_tuned}"
+HERE="$(cd "$(dirname "$0")" && pwd)"
+decide() { python "$HERE/aggregators_tuned.py" "$@"; }
+
+TUNING_SEED="900,"     # used for every choice below, never reported
+REPORT_SEEDS="0,1,2"
+AGGREGATORS=diloco,diloco-sgd,isoloco,isoloco-ns,isoc-sgd,tsv,ties,iso-cts
+# One validation set for every seed and cell: 8 x 32,768 held-out tokens, by --val-seed.
+SHAPE="--model nano --data stdlib --global-batch 16 --seq-len 128 --inner-steps 10"
+SHARED="$SHAPE --val-seed 1000 --val-tokens 262144 --jobs 2"
+HORIZON_TOKENS="${HORIZON_TOKENS:-8192000}"     # 400 rounds of H = 10 x 16 x 128
+INNER_LRS="${INNER_LRS:-5e-4 1e-3 2e-3 4e-3}"
+WEIGHT_DECAY=0.1
+OUTER_LR_GRID="${OUTER_LR_GRID:-0.5,0.71,1,1.41,2}"   # multiples of each preset's outer lr
+MOMENTUM_GRID="${MOMENTUM_GRID:-0.8,0.9,0.95}"         # presets with momentum only
+
+# 1. Horizon: DiLoCo (presets' values, R = 8) and the baseline on a long budget, validated
+#    every 20 rounds; the budget is where doubling the tokens gains < 0.05 nats.
+mloco compare --aggregators diloco --workers 8 --seeds "$TUNING_SEED" $SHARED \
+  --tokens "$HORIZON_TOKENS" --eval-every 20 -o "$WORK/horizon"
+TOKENS=$(decide horizon "$WORK/horizon")
+
+# 2. Evaluation noise: DiLoCo's final model on the 8 disjoint 32,768-token parts of the
+#    shared validation set (their sd / sqrt(8) is the noise of one validation).
+mloco eval "$WORK/horizon/runs/diloco-R8-H10-s${TUNING_SEED%,}/final" --data stdlib \
+  --tokens 32768 --val-sets 8 --seed 1000 | tee "$WORK/eval_noise.txt"
+
+# 3. One inner AdamW setting for every aggregator: the lr best for dp and DiLoCo (R = 2, 8).
+INNER_DIRS=()
+for lr in $INNER_LRS; do
+  mloco compare --aggregators diloco --workers 2,8 --seeds "$TUNING_SEED" $SHARED \
+    --tokens "$TOKENS" --inner-lr "$lr" --weight-decay "$WEIGHT_DECAY" -o "$WORK/inner/lr$lr"
+  INNER_DIRS+=("$WORK/inner/lr$lr")
+done
+INNER_LR=$(decide inner "${INNER_DIRS[@]}")
+INNER="--inner-lr $INNER_LR --weight-decay $WEIGHT_DECAY"
+
+# 4. Outer lr (and momentum) of every aggregator on a grid at R = 2 and 8, the tuning seed.
+mloco compare --aggregators "$AGGREGATORS" --workers 2,8 --seeds "$TUNING_SEED" $SHARED \
+  --tokens "$TOKENS" $INNER --outer-lr-grid "$OUTER_LR_GRID" \
+  --outer-momentum-grid "$MOMENTUM_GRID" -o "$WORK/tune"
+TUNED=$(decide flags "$WORK/tune")
+
+# 5. The report: every aggregator at its tuned values, R = 2..16, three seeds, the baseline.
+# shellcheck disable=SC2086
+mloco compare --aggregators "$AGGREGATORS" --workers 2,4,8,16 --seeds "$REPORT_SEEDS" \
+  $SHARED --tokens "$TOKENS" $INNER $TUNED -o "$WORK/report"
+mloco report "$WORK/report"
+python "$HERE/aggregator_claims.py" "$WORK/report"
