@@ -15,7 +15,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from mergekit_loco.compare.runs import BASELINE, RUN_COLUMNS, Run, load_runs
+from mergekit_loco.compare.runs import BASELINE, RESULTS_CSV, RUN_COLUMNS, Run, load_runs
 from mergekit_loco.compare.stats import Spread, format_interval, ordering, paired_interval, spread
 from mergekit_loco.compare.tables import csv_text, format_loss, format_number, json_value
 from mergekit_loco.io.atomic import write_atomically
@@ -274,7 +274,7 @@ def summary_records(summary: Sequence[SummaryRow]) -> list[dict]:
 def write_sweep_tables(runs: Sequence[Run], summary: Sequence[SummaryRow], out: Path) -> None:
     """``results.csv`` (one row per run), ``summary.csv`` and ``results.json`` (both), and
     ``tuned.json`` where outer values were swept at several R."""
-    write_atomically(out / "results.csv", csv_text([run.row() for run in runs], RUN_COLUMNS))
+    write_atomically(out / RESULTS_CSV, csv_text([run.row() for run in runs], RUN_COLUMNS))
     records = summary_records(summary)
     write_atomically(out / "summary.csv", csv_text(records, SUMMARY_COLUMNS) if records else "")
     document = {
