@@ -8,6 +8,7 @@ the method allocates for that tensor.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -26,7 +27,9 @@ from mergekit_loco.io import (
     CheckpointWriter,
     open_checkpoint,
 )
+from mergekit_loco.io.prefetch import Prefetcher
 from mergekit_loco.methods import MergeMethod, get_method
+from mergekit_loco.methods.base import sum_of
 from mergekit_loco.task_vector import is_mergeable
 
 
@@ -79,8 +82,44 @@ def dtype_kind(dtype: torch.dtype) -> str:
     return "bool" if dtype == torch.bool else "integer"
 
 
-def check_compatible(base: CheckpointReader, models: Sequence[CheckpointReader]) -> None:
-    """Same tensor names, shapes and dtype kinds in every model as in the base (headers only)."""
+def added_rows(name: str, base: CheckpointReader, models: Sequence[CheckpointReader]) -> int | None:
+    """Rows that fine-tunes appended to 2-D tensor ``name`` (added tokens in an embedding or
+    lm_head): 0 if every model has the base's shape, None if a shape differs otherwise.
+
+    Every model must have either the base's rows or ``base rows + added`` with one common
+    ``added > 0``; different added counts raise :class:`CheckpointError`.
+    """
+    base_shape = base.shape(name)
+    shapes = [model.shape(name) for model in models]
+    if all(shape == base_shape for shape in shapes):
+        return 0
+    if len(base_shape) != 2 or any(
+        len(shape) != 2 or shape[1] != base_shape[1] or shape[0] < base_shape[0] for shape in shapes
+    ):
+        return None
+    extended = [
+        (model, shape[0])
+        for model, shape in zip(models, shapes, strict=True)
+        if shape != base_shape
+    ]
+    first_model, first_rows = extended[0]
+    for model, rows in extended[1:]:
+        if rows != first_rows:
+            raise CheckpointError(
+                f"{model.file_of(name)}: tensor {name!r} has {rows} rows but "
+                f"{first_model.file_of(name)} has {first_rows} (base: {base_shape[0]}); models "
+                "that add tokens must add the same number to be merged"
+            )
+    return first_rows - base_shape[0]
+
+
+def check_compatible(base: CheckpointReader, models: Sequence[CheckpointReader]) -> dict:
+    """Same tensor names, shapes and dtype kinds in every model as in the base (headers only),
+    except for rows appended to 2-D tensors (see :func:`added_rows`).
+
+    Returns ``{name: added rows}`` for the tensors with appended rows.
+    """
+    appended = {}
     for model in models:
         if model is base:
             continue
@@ -95,17 +134,29 @@ def check_compatible(base: CheckpointReader, models: Sequence[CheckpointReader])
                 f"{model.path}: tensor {extra!r} is not in the base ({base.path})"
             )
         for name in base.names():
-            if model.shape(name) != base.shape(name):
-                raise CheckpointError(
-                    f"{model.file_of(name)}: tensor {name!r} has shape {list(model.shape(name))}"
-                    f" but the base ({base.file_of(name)}) has {list(base.shape(name))}"
-                )
             kind, base_kind = dtype_kind(model.dtype(name)), dtype_kind(base.dtype(name))
             if kind != base_kind:
                 raise CheckpointError(
                     f"{model.file_of(name)}: tensor {name!r} is {kind} ({model.dtype(name)}) but "
                     f"the base's is {base_kind} ({base.dtype(name)})"
                 )
+    for name in base.names():
+        rows = added_rows(name, base, models)
+        if rows is None:
+            model = next(m for m in models if m.shape(name) != base.shape(name))
+            raise CheckpointError(
+                f"{model.file_of(name)}: tensor {name!r} has shape {list(model.shape(name))}"
+                f" but the base ({base.file_of(name)}) has {list(base.shape(name))}"
+                " (only rows appended to a 2-D tensor, i.e. added tokens, can be merged)"
+            )
+        if rows and not base.dtype(name).is_floating_point:
+            raise CheckpointError(
+                f"{base.file_of(name)}: tensor {name!r} is not floating point; rows appended "
+                "to it cannot be merged"
+            )
+        if rows:
+            appended[name] = rows
+    return appended
 
 
 def all_finite(tensor: torch.Tensor) -> bool:
@@ -123,40 +174,101 @@ def read_finite(reader: CheckpointReader, name: str) -> torch.Tensor:
     return tensor
 
 
+def read_inputs(
+    name: str, base: CheckpointReader, models: Sequence[CheckpointReader]
+) -> list[torch.Tensor | None]:
+    """``[base tensor, model_1 tensor, ..]`` of ``name``, None for a model that is the base."""
+    return [read_finite(base, name)] + [
+        None if model is base else read_finite(model, name) for model in models
+    ]
+
+
 def merge_one(
     name: str,
-    base: CheckpointReader,
-    models: Sequence[CheckpointReader],
+    inputs: list[torch.Tensor | None],
     method: MergeMethod,
     scale: float,
     out_dtype: torch.dtype | None,
     compute_dtype: torch.dtype,
     device: torch.device,
-) -> torch.Tensor | None:
-    """``base + scale * merge(models - base)`` for tensor ``name``; None if it is not floating."""
-    base_tensor = read_finite(base, name)
-    if not is_mergeable(base_tensor):
-        return None
+) -> torch.Tensor:
+    """``base + scale * merge(models - base)`` for floating tensor ``name`` from ``inputs`` (see
+    :func:`read_inputs`; the list is emptied as tensors are used, so each raw input is freed as
+    soon as its delta exists).
+
+    Rows the models appended beyond the base's (added tokens) are not merged: the result's
+    extra rows are the mean of those rows over the models that have them.
+    """
+    base_tensor = inputs.pop(0)
     out_dtype = out_dtype or base_tensor.dtype
-    theta = base_tensor.to(device=device, dtype=compute_dtype)
+    base_on_device = base_tensor.to(device)
     del base_tensor
-    deltas = []
-    for model in models:
-        if model is base:
-            deltas.append(torch.zeros_like(theta))
+    rows = base_on_device.shape[0] if base_on_device.ndim else 0
+    deltas, appended = [], []
+    while inputs:
+        tuned = inputs.pop(0)
+        if tuned is None:
+            deltas.append(torch.zeros_like(base_on_device, dtype=compute_dtype))
             continue
-        tuned = read_finite(model, name).to(device=device, dtype=compute_dtype)
-        deltas.append(tuned.sub_(theta))  # the tensor just read is ours to overwrite
-    merged_delta = method.merge_tensor(name, deltas)
+        tuned = tuned.to(device=device, dtype=compute_dtype)  # a fresh read: ours to overwrite
+        if base_on_device.ndim and tuned.shape[0] > rows:
+            appended.append(tuned[rows:])
+            tuned = tuned[:rows]
+        deltas.append(tuned.sub_(base_on_device))
+    merged = method.merge_tensor(name, deltas)
     del deltas
-    theta.add_(merged_delta, alpha=scale)
-    del merged_delta
+    theta = torch.add(base_on_device, merged, alpha=scale, out=merged)
+    del base_on_device
+    if appended:
+        theta = torch.cat([theta, sum_of(appended).div_(len(appended))])
     theta = theta.to(out_dtype)
     if not all_finite(theta):
         raise ValueError(
             f"{method.name}: merged tensor {name!r} is not finite in {out_dtype} (overflow?)"
         )
     return theta
+
+
+def config_source(
+    base: CheckpointReader, models: Sequence[CheckpointReader], appended: dict
+) -> Path:
+    """Where the output's config and tokenizer files come from: the base's folder, or, when
+    models added tokens, the folder of the first model that did (its vocabulary is kept)."""
+    name = next(iter(appended), None)
+    if name is None:
+        return base.config_dir
+    return next(m for m in models if m.shape(name) != base.shape(name)).config_dir
+
+
+def prefetched_inputs(
+    base: CheckpointReader,
+    models: Sequence[CheckpointReader],
+    compute_dtype: torch.dtype,
+    out_dtype: torch.dtype | None,
+) -> Prefetcher:
+    """``(name, read_inputs(name))`` over the base's tensors, the next name read while the
+    current one merges whenever both fit in the streaming bound.
+
+    The bound is the largest no-prefetch working set of one name: its raw inputs, T deltas and
+    the result in the compute dtype, and the output cast (about (T + 2) x the largest tensor).
+    """
+    readers = [base] + [model for model in models if model is not base]
+
+    def input_bytes(name: str) -> int:
+        return sum(r.entry(name).end - r.entry(name).begin for r in readers)
+
+    def working_bytes(name: str) -> int:
+        numel = max(math.prod(r.shape(name)) for r in readers)
+        out_itemsize = (out_dtype or base.dtype(name)).itemsize
+        return input_bytes(name) + numel * (
+            compute_dtype.itemsize * (len(models) + 1) + out_itemsize
+        )
+
+    names = base.names()
+    budget = max((working_bytes(name) for name in names), default=0)
+    return Prefetcher(
+        names, lambda name: read_inputs(name, base, models), input_bytes, working_bytes, budget
+    )
 
 
 def resolve_method(method: str | MergeMethod, params: dict) -> MergeMethod:
@@ -237,24 +349,29 @@ def merge_checkpoints(
     with ExitStack() as stack:
         readers = [stack.enter_context(open_checkpoint(path)) for path in model_paths]
         base_reader = stack.enter_context(open_checkpoint(base)) if base is not None else readers[0]
-        check_compatible(base_reader, readers)
+        appended = check_compatible(base_reader, readers)
         writer = stack.enter_context(
-            CheckpointWriter(out, max_shard_bytes, force, config_dir=base_reader.config_dir)
+            CheckpointWriter(
+                out,
+                max_shard_bytes,
+                force,
+                config_dir=config_source(base_reader, readers, appended),
+            )
         )
+        stream = prefetched_inputs(base_reader, readers, compute_dtype, dtype)
         bar = stack.enter_context(merge_progress(progress))
         task = bar.add_task("merge", total=len(base_reader), tensor="")
-        for name in base_reader.names():
+        for name, inputs in stream:
             bar.update(task, tensor=name)
-            merged = merge_one(
-                name, base_reader, readers, merge_method, scale, dtype, compute_dtype, target
-            )
-            if merged is None:
-                writer.write(name, base_reader.get(name))
-                copied_count += 1
-            else:
+            if is_mergeable(inputs[0]):
+                merged = merge_one(name, inputs, merge_method, scale, dtype, compute_dtype, target)
                 writer.write(name, merged)
                 merged_count += 1
-            del merged
+                del merged
+            else:
+                writer.write(name, inputs[0])
+                copied_count += 1
+            del inputs
             bar.advance(task)
     return MergeSummary(
         out=Path(out),
