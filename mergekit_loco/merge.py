@@ -201,7 +201,8 @@ def merge_one(
     """
     base_tensor = inputs.pop(0)
     out_dtype = out_dtype or base_tensor.dtype
-    base_on_device = base_tensor.to(device)
+    # Deltas are formed against the base in the compute dtype: mixed-dtype kernels are slow.
+    base_on_device = base_tensor.to(device=device, dtype=compute_dtype)
     del base_tensor
     rows = base_on_device.shape[0] if base_on_device.ndim else 0
     deltas, appended = [], []
@@ -249,8 +250,9 @@ def prefetched_inputs(
     """``(name, read_inputs(name))`` over the base's tensors, the next name read while the
     current one merges whenever both fit in the streaming bound.
 
-    The bound is the largest no-prefetch working set of one name: its raw inputs, T deltas and
-    the result in the compute dtype, and the output cast (about (T + 2) x the largest tensor).
+    The bound is the largest no-prefetch working set of one name (counted generously): its raw
+    inputs; the base, T deltas and the result in the compute dtype; the output cast. That is
+    about (T + 2) x the largest tensor; what the method allocates comes on top.
     """
     readers = [base] + [model for model in models if model is not base]
 
@@ -261,7 +263,7 @@ def prefetched_inputs(
         numel = max(math.prod(r.shape(name)) for r in readers)
         out_itemsize = (out_dtype or base.dtype(name)).itemsize
         return input_bytes(name) + numel * (
-            compute_dtype.itemsize * (len(models) + 1) + out_itemsize
+            compute_dtype.itemsize * (len(models) + 2) + out_itemsize
         )
 
     names = base.names()
