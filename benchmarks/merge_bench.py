@@ -1,12 +1,16 @@
 """Wall time and peak memory of `mloco merge`, side by side with mergekit.
 
 Builds a Llama-shaped checkpoint with random bfloat16 weights (~106M parameters; ~23M with
---small) and 3 fine-tunes (base + noise) in a temporary folder, then merges them with ta, ties,
-iso-c (exact) and iso-c (ns), each in a fresh process so that the child's peak RSS (``ru_maxrss``
-from ``wait4``) belongs to that merge alone. With ``mergekit-yaml`` on PATH (or --mergekit-bin)
-the same ta and ties merges run through mergekit and a table of ratios is printed.
+--small) and 3 fine-tunes (base + noise) in a temporary folder, then merges them with mean, ta,
+ties, iso-c, tsv and iso-cts, each in a fresh process so that the child's peak RSS
+(``ru_maxrss`` from ``wait4``) belongs to that merge alone. With mergekit available (its own
+interpreter via --mergekit-python, or ``mergekit-yaml`` on PATH / --mergekit-bin) the shared
+merges (mean = mergekit's linear, ta, ties) run through mergekit right after ours, and a table
+of ratios is printed, with the largest difference between the two outputs. ``cat`` of the four
+input files is timed too: the I/O floor.
 
-    python benchmarks/merge_bench.py [--small] [--mergekit-bin PATH] [--workdir DIR]
+    python benchmarks/merge_bench.py [--small] [--mergekit-python PY] [--repeat N]
+        [--methods mean ta ties ...] [--workdir DIR]
 
 Deltas are computed in float32 by both tools (mergekit: ``dtype: float32``, ``out_dtype:
 bfloat16``); the output is bfloat16 like the inputs.
@@ -18,6 +22,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,19 +34,23 @@ import torch
 from common import llama_shapes, machine
 from safetensors.torch import save_file
 
+from mergekit_loco.io import open_checkpoint
+
 SHAPES = {
     "full": {"hidden": 768, "layers": 8, "intermediate": 2048, "vocab": 32000, "heads": 12},
     "small": {"hidden": 512, "layers": 4, "intermediate": 1024, "vocab": 16000, "heads": 8},
 }
 FINETUNES = 3
 DELTA_STD = 0.002
-#: (label, mloco method, method parameters, mergekit method or None)
-RUNS = [
-    ("ta", "ta", {}, "task_arithmetic"),
-    ("ties", "ties", {"density": 0.2}, "ties"),
-    ("iso-c exact", "iso-c", {"spectral": "exact"}, None),
-    ("iso-c ns", "iso-c", {"spectral": "ns"}, None),
-]
+#: label -> (mloco method, method parameters, with a base?, mergekit method or None)
+RUNS = {
+    "mean": ("mean", {}, False, "linear"),
+    "ta": ("ta", {}, True, "task_arithmetic"),
+    "ties": ("ties", {"density": 0.2}, True, "ties"),
+    "iso-c": ("iso-c", {}, True, None),
+    "tsv": ("tsv", {}, True, None),
+    "iso-cts": ("iso-cts", {}, True, None),
+}
 MLOCO_CHILD = """
 import json, sys
 from mergekit_loco.merge import merge_checkpoints, peak_rss_bytes
@@ -95,7 +104,7 @@ def write_checkpoints(root: Path, shape: dict) -> tuple[Path, list[Path]]:
     return folders[0], folders[1:]
 
 
-def run_measured(command: list[str]) -> tuple[float, int, str]:
+def run_measured(command: list[str], keep_stdout: bool = True) -> tuple[float, int, str]:
     """Run ``command``: (wall seconds, peak RSS of that child in bytes, its stdout).
 
     The child is reaped with ``wait4``, whose rusage is the child's own (RUSAGE_CHILDREN would
@@ -103,7 +112,9 @@ def run_measured(command: list[str]) -> tuple[float, int, str]:
     """
     with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
         started = time.perf_counter()
-        process = subprocess.Popen(command, stdout=stdout, stderr=stderr, text=True)
+        process = subprocess.Popen(
+            command, stdout=stdout if keep_stdout else subprocess.DEVNULL, stderr=stderr, text=True
+        )
         _, status, usage = os.wait4(process.pid, 0)
         seconds = time.perf_counter() - started
         process.returncode = os.waitstatus_to_exitcode(status)
@@ -126,10 +137,11 @@ class Result:
     floor_bytes: int | None = None
 
 
-def run_mloco(label, method, params, base, models, out) -> Result:
+def run_mloco(label, base, models, out) -> Result:
+    method, params, with_base, _ = RUNS[label]
     spec = {
         "models": [str(m) for m in models],
-        "base": str(base),
+        "base": str(base) if with_base else None,
         "method": method,
         "out": str(out),
         "params": params,
@@ -139,30 +151,51 @@ def run_mloco(label, method, params, base, models, out) -> Result:
     return Result(label, "mloco", seconds, peak, child["merge_seconds"], child["floor_bytes"])
 
 
-def run_mergekit(binary, label, method, params, base, models, out, workdir) -> Result:
-    lines = [f"merge_method: {method}", f"base_model: {base}", "models:"]
+def mergekit_config(label: str, base: Path, models: list[Path]) -> str:
+    """The YAML for mergekit: weight 1 per model (the same file runs `mloco merge --config`)."""
+    _, params, with_base, method = RUNS[label]
+    lines = [f"merge_method: {method}"] + ([f"base_model: {base}"] if with_base else [])
+    lines.append("models:")
     for model in models:
-        weight = {"weight": 1.0} | ({"density": params["density"]} if "density" in params else {})
-        lines += [f"  - model: {model}", f"    parameters: {json.dumps(weight)}"]
-    lines += ["dtype: float32", "out_dtype: bfloat16"]
-    config = workdir / f"mergekit-{method}.yml"
-    config.write_text("\n".join(lines) + "\n")
+        parameters = {"weight": 1.0} | params
+        lines += [f"  - model: {model}", f"    parameters: {json.dumps(parameters)}"]
+    return "\n".join(lines + ["dtype: float32", "out_dtype: bfloat16"]) + "\n"
+
+
+def run_mergekit(command, label, base, models, out, workdir) -> Result:
+    config = workdir / f"mergekit-{label}.yml"
+    config.write_text(mergekit_config(label, base, models))
     shutil.rmtree(out, ignore_errors=True)
-    seconds, peak, _ = run_measured([binary, str(config), str(out), "--no-copy-tokenizer"])
+    seconds, peak, _ = run_measured([*command, str(config), str(out), "--no-copy-tokenizer"])
     return Result(label, "mergekit", seconds, peak)
 
 
-def print_tables(results, parameters, model_bytes, largest_bytes) -> None:
+def largest_difference(ours: Path, theirs: Path) -> tuple[float, float]:
+    """(max |ours - theirs| over all entries, fraction of entries that differ)."""
+    worst, differing, total = 0.0, 0, 0
+    with open_checkpoint(ours) as left, open_checkpoint(theirs) as right:
+        for name in left.names():
+            difference = (left.get(name).double() - right.get(name).double()).abs()
+            worst = max(worst, float(difference.max()))
+            differing += int((difference > 0).sum())
+            total += difference.numel()
+    return worst, differing / total
+
+
+def median_result(results: list[Result]) -> Result:
+    """The run with the median wall time (its own peak RSS and merge time)."""
+    ordered = sorted(results, key=lambda r: r.seconds)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def print_tables(results, cat_seconds, differences, shape_line, largest_bytes, loads) -> None:
     megabyte = 2**20
-    print(
-        f"\nmodel: {parameters / 1e6:.0f}M parameters, {model_bytes / megabyte:.0f} MB per"
-        f" checkpoint (bf16), largest tensor {largest_bytes / megabyte:.0f} MB in float32;"
-        f" {FINETUNES} fine-tunes"
-    )
-    print(f"machine: {machine()}\n")
+    print(f"\n{shape_line}")
+    print(f"machine: {machine()}")
+    print(f"load average before / after: {loads[0]} / {loads[1]}\n")
     header = (
-        f"{'method':<12} {'tool':<9} {'wall s':>7} {'merge s':>8} {'peak RSS MB':>12}"
-        f" {'(peak-floor)/largest':>21} {'peak/model':>11}"
+        f"{'method':<9} {'tool':<9} {'wall s':>7} {'merge s':>8} {'peak RSS MB':>12}"
+        f" {'(peak-floor)/largest':>21} {'wall/cat':>9}"
     )
     print(header)
     print("-" * len(header))
@@ -172,14 +205,13 @@ def print_tables(results, parameters, model_bytes, largest_bytes) -> None:
             f"{(r.peak_rss_bytes - r.floor_bytes) / largest_bytes:.1f}" if r.floor_bytes else "-"
         )
         print(
-            f"{r.label:<12} {r.tool:<9} {r.seconds:>7.2f} {merge_s:>8}"
-            f" {r.peak_rss_bytes / megabyte:>12.0f} {above:>21}"
-            f" {r.peak_rss_bytes / model_bytes:>11.2f}"
+            f"{r.label:<9} {r.tool:<9} {r.seconds:>7.2f} {merge_s:>8}"
+            f" {r.peak_rss_bytes / megabyte:>12.0f} {above:>21} {r.seconds / cat_seconds:>9.1f}"
         )
     floors = [r.floor_bytes for r in results if r.floor_bytes]
     print(
-        f"\nfloor = RSS of the mloco child after imports, before merging: "
-        f"{max(floors) / megabyte:.0f} MB. wall s = whole process incl. imports."
+        f"\ncat of the 4 inputs: {cat_seconds:.2f} s. floor = RSS of the mloco child after "
+        f"imports: {max(floors) / megabyte:.0f} MB. wall s = whole process incl. imports."
     )
     pairs = [
         (r, m)
@@ -188,50 +220,87 @@ def print_tables(results, parameters, model_bytes, largest_bytes) -> None:
         if r.tool == "mloco" and m.tool == "mergekit" and r.label == m.label
     ]
     if pairs:
-        print(f"\n{'method':<8} {'wall mloco/mergekit':>20} {'peak RSS mloco/mergekit':>24}")
+        print(
+            f"\n{'method':<8} {'wall mloco/mergekit':>20} {'peak RSS mloco/mergekit':>24}"
+            f" {'max |mloco-mergekit|':>21} {'entries differing':>18}"
+        )
         for ours, theirs in pairs:
+            worst, fraction = differences[ours.label]
             print(
                 f"{ours.label:<8} {ours.seconds / theirs.seconds:>20.2f}"
                 f" {ours.peak_rss_bytes / theirs.peak_rss_bytes:>24.2f}"
+                f" {worst:>21.2e} {fraction:>17.2%}"
             )
+
+
+def mergekit_command(args) -> list[str] | None:
+    if args.mergekit_python:
+        return [args.mergekit_python, "-m", "mergekit.scripts.run_yaml"]
+    binary = args.mergekit_bin or shutil.which("mergekit-yaml")
+    return [binary] if binary else None
+
+
+def load_line() -> str:
+    return ", ".join(f"{value:.1f}" for value in os.getloadavg())
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--small", action="store_true", help="~23M parameters instead of ~106M")
+    parser.add_argument("--mergekit-python", help="python of a venv with mergekit installed")
     parser.add_argument("--mergekit-bin", help="path of mergekit-yaml (default: look on PATH)")
+    parser.add_argument("--methods", nargs="+", choices=list(RUNS), default=list(RUNS))
+    parser.add_argument("--repeat", type=int, default=1, help="runs per merge; median reported")
     parser.add_argument("--workdir", type=Path, help="where to build checkpoints (kept)")
     args = parser.parse_args()
     shape = SHAPES["small" if args.small else "full"]
-    mergekit = args.mergekit_bin or shutil.which("mergekit-yaml")
+    mergekit = mergekit_command(args)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="merge-bench-"))
     try:
-        print(f"writing checkpoints to {workdir} ...", flush=True)
-        base, models = write_checkpoints(workdir / "models", shape)
-        tensors = llama_shapes(
-            shape["hidden"], shape["layers"], shape["intermediate"], shape["vocab"]
-        )
+        base, models = workdir / "models" / "base", []
+        if base.exists():
+            models = sorted((workdir / "models").glob("ft*"))
+        else:
+            print(f"writing checkpoints to {workdir} ...", flush=True)
+            base, models = write_checkpoints(workdir / "models", shape)
+        tensors = tensor_shapes(shape)
         parameters = sum(torch.Size(s).numel() for s in tensors.values())
         largest_bytes = max(torch.Size(s).numel() for s in tensors.values()) * 4
         model_bytes = (base / "model.safetensors").stat().st_size
-        results = []
-        for label, method, params, mergekit_method in RUNS:
-            print(f"merging with {label} ...", flush=True)
-            out = workdir / f"out-{method}"
-            results.append(run_mloco(label, method, params, base, models, out))
-            if mergekit and mergekit_method:
-                out = workdir / f"out-mergekit-{mergekit_method}"
-                results.append(
-                    run_mergekit(
-                        mergekit, label, mergekit_method, params, base, models, out, workdir
-                    )
-                )
-        print_tables(results, parameters, model_bytes, largest_bytes)
+        inputs = [str(folder / "model.safetensors") for folder in [base, *models]]
+        loads = [load_line()]
+        runs: dict[tuple[str, str], list[Result]] = {}
+        cat_times = []
+        for _ in range(args.repeat):
+            cat_times.append(run_measured(["cat", *inputs], keep_stdout=False)[0])
+            for label in args.methods:
+                print(f"merging with {label} ...", flush=True)
+                out = workdir / f"out-{label}"
+                runs.setdefault((label, "mloco"), []).append(run_mloco(label, base, models, out))
+                if mergekit and RUNS[label][3]:
+                    out = workdir / f"out-mergekit-{label}"
+                    result = run_mergekit(mergekit, label, base, models, out, workdir)
+                    runs.setdefault((label, "mergekit"), []).append(result)
+        loads.append(load_line())
+        results = [median_result(group) for group in runs.values()]
+        differences = {
+            label: largest_difference(workdir / f"out-{label}", workdir / f"out-mergekit-{label}")
+            for label, tool in runs
+            if tool == "mergekit"
+        }
+        shape_line = (
+            f"model: {parameters / 1e6:.0f}M parameters, {model_bytes / 2**20:.0f} MB per"
+            f" checkpoint (bf16), largest tensor {largest_bytes / 2**20:.0f} MB in float32;"
+            f" {FINETUNES} fine-tunes; median of {args.repeat} run(s)"
+        )
+        print_tables(
+            results, statistics.median(cat_times), differences, shape_line, largest_bytes, loads
+        )
         if not mergekit:
             print(
-                "\nmergekit-yaml not found; to compare, install it in its own venv:\n"
+                "\nmergekit not found; to compare, install it in its own venv:\n"
                 "  python -m venv /tmp/mk && /tmp/mk/bin/pip install mergekit\n"
-                "  python benchmarks/merge_bench.py --mergekit-bin /tmp/mk/bin/mergekit-yaml"
+                "  python benchmarks/merge_bench.py --mergekit-python /tmp/mk/bin/python"
             )
     finally:
         if args.workdir is None:
