@@ -80,3 +80,34 @@ def check_fraction(method: str, option: str, value: float, low_open: bool, high_
     if not (low_ok and high_ok):
         interval = f"{'(' if low_open else '['}0, 1{')' if high_open else ']'}"
         raise ValueError(f"{method}: {option} must lie in {interval}, got {value}")
+
+
+def per_task_values(value: float | tuple[float, ...]) -> tuple[float, ...]:
+    """A parameter given once for all tasks or once per task, as a tuple of its values."""
+    return tuple(value) if isinstance(value, tuple | list) else (value,)
+
+
+def per_task(method: str, option: str, value, index: int, tasks: int) -> float:
+    """Task ``index``'s value of a parameter given once or per task (then exactly ``tasks``)."""
+    if not isinstance(value, tuple | list):
+        return value
+    if len(value) != tasks:
+        raise ValueError(f"{method}: {option} has {len(value)} values for {tasks} tasks")
+    return value[index]
+
+
+def task_weights(method: str, weights, tasks: int) -> tuple[float, ...] | None:
+    """The per-task weights checked against the number of tasks (None: unweighted)."""
+    if weights is not None and len(weights) != tasks:
+        raise ValueError(f"{method}: weights has {len(weights)} values for {tasks} tasks")
+    return None if weights is None else tuple(float(weight) for weight in weights)
+
+
+def weighted_sum(deltas: Sequence[torch.Tensor], weights: Sequence[float] | None):
+    """``sum_t w_t tau_t`` (a new tensor); without weights the mean ``(1/T) sum_t tau_t``."""
+    if weights is None:
+        return mean_of(deltas)
+    total = deltas[0] * weights[0]
+    for delta, weight in zip(deltas[1:], weights[1:], strict=True):
+        total.add_(delta, alpha=weight)
+    return total

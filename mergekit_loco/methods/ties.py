@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from mergekit_loco.methods.base import MergeMethod, check_fraction
+from mergekit_loco.methods.base import (
+    MergeMethod,
+    check_fraction,
+    per_task,
+    per_task_values,
+    task_weights,
+)
 
 #: Tensors up to this many entries get a plain ``kthvalue``; larger ones the bracketed search.
 DIRECT_SELECTION_NUMEL = 1 << 16
@@ -173,60 +179,101 @@ def trim_slice(part: torch.Tensor, threshold: torch.Tensor | None) -> torch.Tens
 
 
 def disjoint_mean_slice(
-    trimmed: Iterable[torch.Tensor], trimmed_sum: torch.Tensor, zero_direction: float
+    tasks: Iterable[torch.Tensor],
+    task_sum: torch.Tensor,
+    zero_direction: float,
+    weights: Sequence[float] | None,
+    normalize: bool,
 ):
-    """The disjoint mean of one slice, in float arithmetic only: with the elected direction
-    ``e = sign(sum_t trimmed_t)`` (``zero_direction`` where the sum is 0), ``|a_t| =
-    relu(e * trimmed_t)`` is the agreeing part, and ``merged = e * sum_t |a_t| / max(#{t: a_t
-    != 0}, 1)`` (the same floats as :func:`agreeing_sum_and_count` and :func:`divide_by_count`:
-    the agreeing entries share one sign, so summing magnitudes and negating is exact)."""
-    direction = torch.sign(trimmed_sum)
+    """The (weighted) disjoint mean of one slice, in float arithmetic only.
+
+    ``u_t = w_t trim_t`` (``tasks`` yields the ``trim_t``; ``task_sum = sum_t u_t``); the
+    elected direction is ``e = sign(task_sum)`` (``zero_direction`` where it is 0);
+    ``|a_t| = relu(e u_t)`` is the agreeing part and ``merged = e sum_t |a_t| / D`` with
+    ``D = sum_{t: a_t != 0} w_t`` (1 where that is 0; ``D = 1`` without ``normalize``).
+    Unweighted this is the same floats as :func:`agreeing_sum_and_count` and
+    :func:`divide_by_count`: the agreeing entries share one sign, so summing magnitudes and
+    negating is exact.
+    """
+    direction = torch.sign(task_sum)
     direction.add_(direction.abs().neg_().add_(1).mul_(zero_direction))
     total = torch.zeros_like(direction)
-    count = torch.zeros_like(direction)
-    for task in trimmed:
-        agreeing = (task * direction).relu_()
+    divisor = torch.zeros_like(direction)
+    for index, task in enumerate(tasks):
+        weight = 1.0 if weights is None else weights[index]
+        agreeing = (
+            (task * direction).relu_() if weights is None else task.mul(weight * direction).relu_()
+        )
         total.add_(agreeing)
-        count.add_(agreeing.sign_())
-    return total.mul_(direction).div_(count.clamp_(min=1))
+        divisor.add_(agreeing.sign_(), alpha=weight)
+    total.mul_(direction)
+    if not normalize:
+        return total
+    return total.div_(divisor.add_(divisor.abs().sign().neg_().add_(1)))
+
+
+def sign_consensus_merge(
+    task_slices: Callable[[slice], Iterable[torch.Tensor]],
+    like: torch.Tensor,
+    weights: Sequence[float] | None = None,
+    normalize: bool = True,
+) -> torch.Tensor:
+    """TIES's elect-and-combine step on T sparsified tasks ``s_t``, given slice by slice
+    (``task_slices(part)`` yields ``s_t.reshape(-1)[part]`` for every t): ``u_t = w_t s_t``,
+    signs elected on ``sum_t u_t`` (zeros take the sign of the sum of elected signs), then the
+    weighted disjoint mean of the agreeing ``u_t`` (see :func:`disjoint_mean_slice`).
+
+    Two passes over cache-sized slices: the first stores ``sum_t u_t`` in the output and
+    counts the elected signs, the second overwrites it with the result; beyond the output only
+    slice-sized temporaries exist.
+    """
+    merged = torch.empty_like(like.reshape(-1))
+    parts = slices(merged.numel(), merged.device)
+    sign_balance = 0.0
+    for part in parts:
+        total = merged[part]
+        total.zero_()
+        for index, task in enumerate(task_slices(part)):
+            total.add_(task, alpha=1.0 if weights is None else weights[index])
+        sign_balance += float(torch.sign(total).sum(dtype=torch.float64))
+    zero_direction = 1.0 if sign_balance > 0 else -1.0
+    for part in parts:
+        merged[part] = disjoint_mean_slice(
+            task_slices(part), merged[part], zero_direction, weights, normalize
+        )
+    return merged.view(like.shape)
 
 
 @dataclass(frozen=True)
 class Ties(MergeMethod):
-    """``merged = sum_t a_t / max(#{t: a_t != 0}, 1)`` per tensor, where ``a_t`` are the entries
-    of ``trim(tau_t, density)`` whose sign agrees with ``elect_sign``.
+    """``merged = sum_t w_t a_t / sum_{t: a_t != 0} w_t`` per tensor, where ``a_t`` are the
+    entries of ``trim(tau_t, density_t)`` whose sign agrees with the sign elected on
+    ``sum_t w_t trim_t``.
 
-    density: fraction of each task vector's entries kept, in (0, 1]; default 0.2.
+    density: fraction of each task vector's entries kept, in (0, 1], one for all or one per
+    task; default 0.2. weights: ``w_t``, one per task (default 1 each: the disjoint mean).
+    normalize=False drops the division (mergekit's ``normalize: false``).
     """
 
     name = "ties"
-    density: float = 0.2
+    density: float | tuple[float, ...] = 0.2
+    weights: tuple[float, ...] | None = None
+    normalize: bool = True
 
     def __post_init__(self):
-        check_fraction(self.name, "density", self.density, low_open=True, high_open=False)
+        for density in per_task_values(self.density):
+            check_fraction(self.name, "density", density, low_open=True, high_open=False)
 
     def merge_tensor(self, name: str, deltas: Sequence[torch.Tensor]) -> torch.Tensor:
-        # Thresholds first; then two elementwise passes slice by slice (trimmed slices are
-        # rebuilt on the fly, so beyond the output only slice-sized temporaries exist): the
-        # first stores sum_t trimmed_t in the output and counts the elected signs, the second
-        # overwrites it with the disjoint mean.
-        thresholds = [trim_threshold(delta, self.density) for delta in deltas]
+        count = len(deltas)
+        weights = task_weights(self.name, self.weights, count)
+        thresholds = [
+            trim_threshold(delta, per_task(self.name, "density", self.density, index, count))
+            for index, delta in enumerate(deltas)
+        ]
         flat = [delta.reshape(-1) for delta in deltas]
-        merged = torch.empty_like(flat[0])
-        parts = slices(merged.numel(), merged.device)
 
         def trimmed(part: slice):
             return (trim_slice(d[part], t) for d, t in zip(flat, thresholds, strict=True))
 
-        sign_balance = 0.0
-        for part in parts:
-            total = merged[part]
-            tasks = trimmed(part)
-            total.copy_(next(tasks))
-            for task in tasks:
-                total.add_(task)
-            sign_balance += float(torch.sign(total).sum(dtype=torch.float64))
-        zero_direction = 1.0 if sign_balance > 0 else -1.0
-        for part in parts:
-            merged[part] = disjoint_mean_slice(trimmed(part), merged[part], zero_direction)
-        return merged.view(deltas[0].shape)
+        return sign_consensus_merge(trimmed, deltas[0], weights, self.normalize)

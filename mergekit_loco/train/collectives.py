@@ -377,7 +377,12 @@ _SUM_METHODS = (Mean, TaskArithmetic, Dare, Breadcrumbs, IsoC)
 
 def available_plans(method: MergeMethod) -> tuple[str, ...]:
     """The plans that compute ``method`` exactly (``owner`` computes any method)."""
-    if type(method) in (*_SUM_METHODS, Ties):
+    if (
+        getattr(method, "weights", None) is not None
+        or not getattr(method, "is_plain_mean", lambda: True)()
+    ):
+        return ("owner",)  # per-task weights, densities or DARE variants: merged on one rank
+    if type(method) in (*_SUM_METHODS, Ties) and getattr(method, "normalize", True):
         return ("all-reduce", "owner")
     if type(method) in (Tsv, IsoCts):
         return ("low-rank", "owner")

@@ -1,0 +1,298 @@
+"""mergekit's YAML merge configurations, read into one :func:`merge_checkpoints` call.
+
+Supported: ``merge_method``, ``base_model``, ``models`` (each ``model`` with optional
+``parameters``), top-level ``parameters``, ``dtype`` (the compute dtype; also the output dtype
+unless ``out_dtype`` is given) and ``out_dtype``. mergekit's shared methods translate as
+mergekit defines them (``tau_t = model_t - base``, weights ``w_t``, ``W = sum_t w_t``,
+``lambda`` default 1):
+
+- ``linear``: ``theta = sum_t w_t theta_t / W`` (normalize defaults to true; the base, if
+  given, is ignored as in mergekit) -> ``mean`` with weights;
+- ``task_arithmetic``: ``theta = base + lambda sum_t w_t tau_t`` (``/ W`` with normalize) ->
+  ``ta``;
+- ``ties``: trim each tau_t to its top-density magnitudes, elect signs on ``sum_t w_t trim_t``,
+  ``theta = base + lambda sum_t w_t a_t / sum_{t: a_t != 0} w_t`` (no division with
+  ``normalize: false``) -> ``ties`` (density defaults to 1, normalize to true);
+- ``dare_linear``: ``theta = base + lambda sum_t w_t drop(tau_t)`` with drop rescaled to keep
+  the L1 norm (``rescale: true``, the default) or not rescaled -> ``dare``;
+- ``dare_ties``: the DARE drop, then TIES's sign election and (with normalize) weighted
+  disjoint mean -> ``dare`` with ``consensus``;
+- ``breadcrumbs``: ``theta = base + lambda sum_t w_t band(tau_t)`` -> ``breadcrumbs``.
+
+mloco's own method names (``mean``, ``ta``, ``ties``, ``dare``, ``breadcrumbs``, ``tsv``,
+``iso-c``, ``iso-cts``) are accepted in the same format: top-level ``parameters`` are the
+method's parameters, per-model ``weight`` goes to methods that take weights, ``lambda`` is
+``--scale``. Anything mergekit has that mloco does not (slices, tokenizer options, layer-wise
+parameter gradients, other methods, options like ``rescale`` on TIES) is an error naming it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+
+from mergekit_loco.methods import METHODS
+
+#: mergekit method -> (mloco method, parameter defaults as mergekit has them)
+SHARED_METHODS: dict[str, tuple[str, dict]] = {
+    "linear": ("mean", {"normalize": True}),
+    "task_arithmetic": ("ta", {"normalize": False, "lambda": 1.0}),
+    "ties": ("ties", {"normalize": True, "lambda": 1.0, "density": 1.0, "rescale": False}),
+    "dare_linear": ("dare", {"normalize": False, "lambda": 1.0, "density": 1.0, "rescale": True}),
+    "dare_ties": ("dare", {"normalize": False, "lambda": 1.0, "density": 1.0, "rescale": True}),
+    "breadcrumbs": (
+        "breadcrumbs",
+        {"normalize": False, "lambda": 1.0, "density": 1.0, "gamma": 0.01, "rescale": False},
+    ),
+}
+#: parameters of mergekit's shared methods that change nothing in the result
+NO_EFFECT = {"int8_mask"}
+PER_MODEL = ("weight", "density", "gamma")
+TOP_LEVEL_KEYS = {"merge_method", "base_model", "models", "parameters", "dtype", "out_dtype"}
+UNSUPPORTED_TOP_LEVEL = {"slices", "modules", "tokenizer_source", "tokenizer", "chat_template"}
+DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+class MergeConfigError(ValueError):
+    """A merge configuration that cannot be run; the message names the file and the key."""
+
+
+@dataclass(frozen=True)
+class ConfiguredMerge:
+    """The arguments of :func:`mergekit_loco.merge_checkpoints` a configuration stands for."""
+
+    models: list[Path]
+    base: Path | None
+    method: str
+    params: dict = field(default_factory=dict)
+    scale: float = 1.0
+    compute_dtype: torch.dtype = torch.float32
+    dtype: torch.dtype | None = None
+
+
+def read_yaml(path: Path) -> dict:
+    try:
+        config = yaml.safe_load(path.read_text())
+    except OSError as error:
+        raise MergeConfigError(f"{path}: cannot read ({error.strerror or error})") from None
+    except yaml.YAMLError as error:
+        raise MergeConfigError(f"{path}: not valid YAML ({error})".replace("\n", " ")) from None
+    if not isinstance(config, dict):
+        raise MergeConfigError(f"{path}: expected a mapping with merge_method and models")
+    return config
+
+
+def scalar(path: Path, where: str, key: str, value: object) -> object:
+    """A plain value; mergekit's layer-wise forms (lists, filter mappings) are refused."""
+    if isinstance(value, list | dict):
+        raise MergeConfigError(
+            f"{path}: {where} parameter {key!r}: layer-wise gradients and filters "
+            f"({type(value).__name__}) are not supported; give one number"
+        )
+    return value
+
+
+def parse_dtype(path: Path, key: str, value: object) -> torch.dtype:
+    if value not in DTYPES:
+        raise MergeConfigError(f"{path}: {key} {value!r} is not one of {', '.join(DTYPES)}")
+    return DTYPES[value]
+
+
+def model_entries(path: Path, config: dict) -> list[tuple[Path, dict]]:
+    """``[(model path, its parameters)]`` from ``models:``."""
+    models = config.get("models")
+    if not isinstance(models, list) or not models:
+        raise MergeConfigError(f"{path}: 'models' must be a non-empty list of {{model: PATH}}")
+    entries = []
+    for index, entry in enumerate(models, start=1):
+        if isinstance(entry, str):
+            entry = {"model": entry}
+        if not isinstance(entry, dict) or not isinstance(entry.get("model"), str):
+            raise MergeConfigError(f"{path}: models[{index}] needs 'model: PATH'")
+        unknown = sorted(set(entry) - {"model", "parameters"})
+        if unknown:
+            raise MergeConfigError(f"{path}: models[{index}]: key {unknown[0]!r} is not supported")
+        if "+" in entry["model"]:
+            raise MergeConfigError(
+                f"{path}: models[{index}] {entry['model']!r}: mergekit's MODEL+LORA syntax is not "
+                "supported; merge LoRA adapters with `mloco merge ADAPTER ... --base BASE`"
+            )
+        parameters = entry.get("parameters") or {}
+        where = f"models[{index}] ({entry['model']})"
+        entries.append(
+            (
+                Path(entry["model"]),
+                {key: scalar(path, where, key, value) for key, value in parameters.items()},
+            )
+        )
+    return entries
+
+
+def per_model(
+    path: Path, name: str, entries: list, shared: dict, defaults: dict
+) -> list[float] | None:
+    """Parameter ``name`` of every model: its own value, else the top-level one, else the
+    default; None where none is given and there is no default."""
+    values = []
+    for model, parameters in entries:
+        value = parameters.get(name, shared.get(name, defaults.get(name)))
+        if value is None:
+            return None
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise MergeConfigError(f"{path}: {model}: parameter {name!r} must be a number")
+        values.append(float(value))
+    return values
+
+
+def check_known(path: Path, method: str, entries: list, shared: dict, known: set) -> None:
+    for key in shared:
+        if key not in known:
+            raise MergeConfigError(
+                f"{path}: parameter {key!r} of {method!r} is not supported by mloco "
+                f"(supported: {', '.join(sorted(known))})"
+            )
+    per_model_known = [key for key in PER_MODEL if key in known]
+    for model, parameters in entries:
+        for key in parameters:
+            if key not in per_model_known:
+                raise MergeConfigError(
+                    f"{path}: {model}: per-model parameter {key!r} of {method!r} is not "
+                    f"supported by mloco (per model: {', '.join(per_model_known)})"
+                )
+
+
+def one_or_each(values: list[float]) -> float | tuple[float, ...]:
+    return values[0] if len(set(values)) == 1 else tuple(values)
+
+
+def shared_method(path: Path, method: str, entries: list, shared: dict, base) -> tuple:
+    """(mloco method, its parameters, scale) for one of mergekit's methods."""
+    ours, defaults = SHARED_METHODS[method]
+    check_known(path, method, entries, shared, set(defaults) | {"weight"} | NO_EFFECT)
+    settings = {key: shared.get(key, default) for key, default in defaults.items()}
+    weights = per_model(path, "weight", entries, shared, {})
+    if weights is None:
+        model = next(m for m, p in entries if "weight" not in p)
+        raise MergeConfigError(
+            f"{path}: {model}: {method!r} needs a 'weight' for every model (as in mergekit)"
+        )
+    total = math.fsum(weights)
+    params: dict = {}
+    if ours == "mean":
+        if not settings["normalize"] and not math.isclose(total, 1.0):
+            raise MergeConfigError(
+                f"{path}: linear with normalize: false and weights summing to {total:g} scales "
+                "the whole model, which mloco does not do; use normalize: true"
+            )
+        if len(set(weights)) > 1:
+            params["weights"] = tuple(weights)
+        return ours, params, 1.0
+    if base is None:
+        raise MergeConfigError(f"{path}: {method!r} needs base_model")
+    for name in ("density", "gamma"):
+        if name in defaults:
+            params[name] = one_or_each(per_model(path, name, entries, shared, defaults))
+    if ours == "ties":
+        if settings["rescale"]:
+            raise MergeConfigError(f"{path}: parameter 'rescale: true' of 'ties' is not supported")
+        params |= {"weights": tuple(weights), "normalize": bool(settings["normalize"])}
+        return ours, drop_defaults(ours, params), float(settings["lambda"])
+    if settings["normalize"]:
+        if total == 0:
+            raise MergeConfigError(f"{path}: normalize: true with weights summing to 0")
+        weights = [weight / total for weight in weights]
+    params["weights"] = tuple(weights)
+    if ours == "dare":
+        params["rescale"] = "l1" if settings["rescale"] else "none"
+        if method == "dare_ties":
+            params["consensus"] = True
+    elif settings["rescale"]:
+        raise MergeConfigError(f"{path}: parameter 'rescale: true' of {method!r} is not supported")
+    return ours, drop_defaults(ours, params), float(settings["lambda"])
+
+
+def drop_defaults(method: str, params: dict) -> dict:
+    """``params`` without the ``weights`` that equal 1 for every model where the method's
+    default is exactly that (so methods without weights still run unweighted configs)."""
+    if method in ("ta", "ties") and all(weight == 1.0 for weight in params.get("weights", ())):
+        params = {key: value for key, value in params.items() if key != "weights"}
+    if method == "ties" and params.get("normalize") is True:
+        params = {key: value for key, value in params.items() if key != "normalize"}
+    return params
+
+
+def own_method(path: Path, method: str, entries: list, shared: dict) -> tuple:
+    """(method, parameters, scale) for one of mloco's names: parameters as the method's."""
+    fields = set(METHODS[method].parameter_names())
+    known = fields | {"lambda", "weight"}
+    for key in shared:
+        if key not in known:
+            raise MergeConfigError(
+                f"{path}: parameter {key!r}: method {method!r} takes "
+                f"{', '.join(sorted(fields)) or 'no parameters'} (and lambda)"
+            )
+    params = {key: value for key, value in shared.items() if key in fields}
+    weights = per_model(path, "weight", entries, shared, {})
+    for model, parameters in entries:
+        unknown = sorted(set(parameters) - {"weight"})
+        if unknown:
+            raise MergeConfigError(
+                f"{path}: {model}: per-model parameter {unknown[0]!r} is not supported for "
+                f"{method!r} (per model: weight)"
+            )
+    if weights is not None and any(weight != 1.0 for weight in weights):
+        if "weights" not in fields:
+            raise MergeConfigError(f"{path}: method {method!r} does not take per-model weights")
+        params["weights"] = tuple(weights)
+    return method, params, float(shared.get("lambda", 1.0))
+
+
+def load_merge_config(path: str | Path) -> ConfiguredMerge:
+    """Read a mergekit-style YAML file into the merge it describes (see the module docs)."""
+    path = Path(path)
+    config = read_yaml(path)
+    for key in config:
+        if key in UNSUPPORTED_TOP_LEVEL:
+            raise MergeConfigError(f"{path}: {key!r} is not supported by mloco")
+        if key not in TOP_LEVEL_KEYS:
+            raise MergeConfigError(
+                f"{path}: unknown key {key!r} (expected: {', '.join(sorted(TOP_LEVEL_KEYS))})"
+            )
+    method = config.get("merge_method")
+    if method not in SHARED_METHODS and method not in METHODS:
+        names = ", ".join([*SHARED_METHODS, *METHODS])
+        raise MergeConfigError(f"{path}: merge_method {method!r} is not supported (use: {names})")
+    base = Path(config["base_model"]) if config.get("base_model") is not None else None
+    entries = model_entries(path, config)
+    if base is not None and method != "linear":
+        entries = [(model, parameters) for model, parameters in entries if model != base]
+    shared = config.get("parameters") or {}
+    if not isinstance(shared, dict):
+        raise MergeConfigError(f"{path}: 'parameters' must be a mapping")
+    shared = {key: scalar(path, "top-level", key, value) for key, value in shared.items()}
+    if method in SHARED_METHODS:
+        ours, params, scale = shared_method(path, method, entries, shared, base)
+        if method == "linear":
+            base = None
+    else:
+        ours, params, scale = own_method(path, method, entries, shared)
+    compute = parse_dtype(path, "dtype", config["dtype"]) if "dtype" in config else torch.float32
+    out = config.get("out_dtype", config.get("dtype"))
+    return ConfiguredMerge(
+        models=[model for model, _ in entries],
+        base=base,
+        method=ours,
+        params=params,
+        scale=scale,
+        compute_dtype=compute,
+        dtype=parse_dtype(path, "out_dtype", out) if out is not None else None,
+    )
