@@ -201,33 +201,20 @@ def shared_method(path: Path, method: str, entries: list, shared: dict, base) ->
     for name in ("density", "gamma"):
         if name in defaults:
             params[name] = one_or_each(per_model(path, name, entries, shared, defaults))
+    if settings.get("rescale") and ours != "dare":
+        raise MergeConfigError(f"{path}: parameter 'rescale: true' of {method!r} is not supported")
     if ours == "ties":
-        if settings["rescale"]:
-            raise MergeConfigError(f"{path}: parameter 'rescale: true' of 'ties' is not supported")
+        params["trim"] = "mergekit"
+    if ours == "ties" or method == "dare_ties":
         params |= {"weights": tuple(weights), "normalize": bool(settings["normalize"])}
-        return ours, drop_defaults(ours, params), float(settings["lambda"])
-    if settings["normalize"]:
-        if total == 0:
+    else:  # a weighted sum: normalizing is dividing the weights by their sum
+        if settings["normalize"] and total == 0:
             raise MergeConfigError(f"{path}: normalize: true with weights summing to 0")
-        weights = [weight / total for weight in weights]
-    params["weights"] = tuple(weights)
+        params["weights"] = tuple(w / total if settings["normalize"] else w for w in weights)
     if ours == "dare":
         params["rescale"] = "l1" if settings["rescale"] else "none"
-        if method == "dare_ties":
-            params["consensus"] = True
-    elif settings["rescale"]:
-        raise MergeConfigError(f"{path}: parameter 'rescale: true' of {method!r} is not supported")
-    return ours, drop_defaults(ours, params), float(settings["lambda"])
-
-
-def drop_defaults(method: str, params: dict) -> dict:
-    """``params`` without the ``weights`` that equal 1 for every model where the method's
-    default is exactly that (so methods without weights still run unweighted configs)."""
-    if method in ("ta", "ties") and all(weight == 1.0 for weight in params.get("weights", ())):
-        params = {key: value for key, value in params.items() if key != "weights"}
-    if method == "ties" and params.get("normalize") is True:
-        params = {key: value for key, value in params.items() if key != "normalize"}
-    return params
+        params["consensus"] = method == "dare_ties"
+    return ours, params, float(settings["lambda"])
 
 
 def own_method(path: Path, method: str, entries: list, shared: dict) -> tuple:

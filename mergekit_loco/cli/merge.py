@@ -16,6 +16,7 @@ from rich.table import Table
 from mergekit_loco.cli.common import Debug, Quiet, format_bytes, parse_choice, user_errors
 from mergekit_loco.io import DEFAULT_MAX_SHARD_BYTES
 from mergekit_loco.merge import MergeSummary, merge_checkpoints
+from mergekit_loco.merge_config import load_merge_config
 from mergekit_loco.methods import METHODS, list_methods
 
 OUTPUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -32,6 +33,37 @@ def parse_size(value: str) -> int:
     return int(float(match.group(1)) * SIZE_UNITS[match.group(2).lower()])
 
 
+MERGE_KEYS = ("scale", "dtype", "compute_dtype")
+
+
+def from_config(config: Path, models, base, method, options: dict):
+    """(models, base, method, merge options) from a ``--config`` YAML file; the file decides
+    what it describes, so MODEL, --base, --method and merge options beside it are errors."""
+    clashes = [
+        flag
+        for flag, given in [
+            ("MODEL", bool(models)),
+            ("--base", base is not None),
+            ("--method", method is not None),
+            ("--scale", options["scale"] != 1.0),
+            ("--dtype", options["dtype"] is not None),
+            ("--compute-dtype", options["compute_dtype"] != torch.float32),
+            *[(f"--{name.replace('_', '-')}", True) for name in options if name not in MERGE_KEYS],
+        ]
+        if given
+    ]
+    if clashes:
+        raise ValueError(f"--config {config}: {clashes[0]} cannot be given with a config file")
+    configured = load_merge_config(config)
+    options = {
+        "scale": configured.scale,
+        "dtype": configured.dtype,
+        "compute_dtype": configured.compute_dtype,
+        **configured.params,
+    }
+    return configured.models, configured.base, configured.method, options
+
+
 def print_summary(summary: MergeSummary) -> None:
     table = Table(title=f"merged {summary.models} models with {summary.method}", show_header=False)
     table.add_column(style="bold")
@@ -46,18 +78,23 @@ def print_summary(summary: MergeSummary) -> None:
 
 @user_errors
 def merge(
-    models: Annotated[
-        list[Path], typer.Argument(help="Fine-tuned checkpoints: .safetensors files or HF folders.")
-    ],
     output: Annotated[
         Path,
         typer.Option(
             "--output", "-o", help="Output: a .safetensors file, or a folder (sharded, with index)."
         ),
     ],
+    models: Annotated[
+        list[Path] | None,
+        typer.Argument(help="Fine-tuned checkpoints: .safetensors files or HF folders."),
+    ] = None,
     method: Annotated[
-        str, typer.Option("--method", "-m", help=f"One of: {', '.join(list_methods())}.")
-    ],
+        str | None, typer.Option("--method", "-m", help=f"One of: {', '.join(list_methods())}.")
+    ] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(help="A mergekit-style YAML file: models, base, method and parameters."),
+    ] = None,
     base: Annotated[
         Path | None,
         typer.Option(help="The pre-trained checkpoint the models were fine-tuned from."),
@@ -103,19 +140,26 @@ def merge(
         "seed": seed,
         "rank_aware": rank_aware or None,
     }
+    options = {
+        "scale": scale,
+        "dtype": parse_choice("--dtype", dtype, OUTPUT_DTYPES) if dtype is not None else None,
+        "compute_dtype": parse_choice("--compute-dtype", compute_dtype, COMPUTE_DTYPES),
+        **{name: value for name, value in given.items() if value is not None},
+    }
+    if config is not None:
+        models, base, method, options = from_config(config, models, base, method, options)
+    elif not models or method is None:
+        raise ValueError("give MODEL... and --method (or a --config file)")
     summary = merge_checkpoints(
         models,
         base,
         method,
         output,
-        scale=scale,
-        dtype=parse_choice("--dtype", dtype, OUTPUT_DTYPES) if dtype is not None else None,
-        compute_dtype=parse_choice("--compute-dtype", compute_dtype, COMPUTE_DTYPES),
         device=device,
         force=force,
         progress=not quiet,
         max_shard_bytes=parse_size(shard_size),
-        **{name: value for name, value in given.items() if value is not None},
+        **options,
     )
     if not quiet:
         print_summary(summary)

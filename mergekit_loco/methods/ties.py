@@ -128,6 +128,19 @@ def trim_threshold(delta: torch.Tensor, density: float) -> torch.Tensor | None:
     return kth_smallest_magnitude(delta, k)
 
 
+def top_k_threshold(delta: torch.Tensor, density: float) -> torch.Tensor | None:
+    """mergekit's trim: the k-th largest ``|x|`` with ``k = max(1, int(n * density))`` (keeping
+    ``|x| >= threshold`` keeps k entries, plus any tied with the k-th); None when all is kept.
+    The reference rule (:func:`trim_threshold`) keeps ``int(n * density) + 1``."""
+    numel = delta.numel()
+    if density >= 1 or numel == 0:
+        return None
+    return kth_smallest_magnitude(delta, numel - max(1, int(numel * density)) + 1)
+
+
+TRIM_RULES = {"reference": trim_threshold, "mergekit": top_k_threshold}
+
+
 def keep_above(delta: torch.Tensor, threshold: torch.Tensor | None) -> torch.Tensor:
     """``x`` where ``|x| >= threshold`` (ties at the threshold are all kept, as in the reference
     code), else 0."""
@@ -252,23 +265,31 @@ class Ties(MergeMethod):
 
     density: fraction of each task vector's entries kept, in (0, 1], one for all or one per
     task; default 0.2. weights: ``w_t``, one per task (default 1 each: the disjoint mean).
-    normalize=False drops the division (mergekit's ``normalize: false``).
+    normalize=False drops the division (mergekit's ``normalize: false``). trim: "reference"
+    (the TIES code: keep ``|x| >=`` the ``(n - int(n density))``-th smallest, which is
+    ``int(n density) + 1`` entries) or "mergekit" (``max(1, int(n density))`` entries).
     """
 
     name = "ties"
     density: float | tuple[float, ...] = 0.2
     weights: tuple[float, ...] | None = None
     normalize: bool = True
+    trim: str = "reference"
 
     def __post_init__(self):
         for density in per_task_values(self.density):
             check_fraction(self.name, "density", density, low_open=True, high_open=False)
+        if self.trim not in TRIM_RULES:
+            raise ValueError(
+                f"{self.name}: trim must be one of {tuple(TRIM_RULES)}, not {self.trim!r}"
+            )
 
     def merge_tensor(self, name: str, deltas: Sequence[torch.Tensor]) -> torch.Tensor:
         count = len(deltas)
         weights = task_weights(self.name, self.weights, count)
+        threshold_of = TRIM_RULES[self.trim]
         thresholds = [
-            trim_threshold(delta, per_task(self.name, "density", self.density, index, count))
+            threshold_of(delta, per_task(self.name, "density", self.density, index, count))
             for index, delta in enumerate(deltas)
         ]
         flat = [delta.reshape(-1) for delta in deltas]

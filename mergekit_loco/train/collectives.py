@@ -382,7 +382,11 @@ def available_plans(method: MergeMethod) -> tuple[str, ...]:
         or not getattr(method, "is_plain_mean", lambda: True)()
     ):
         return ("owner",)  # per-task weights, densities or DARE variants: merged on one rank
-    if type(method) in (*_SUM_METHODS, Ties) and getattr(method, "normalize", True):
+    if (
+        type(method) in (*_SUM_METHODS, Ties)
+        and getattr(method, "trim", "reference") == "reference"
+        and getattr(method, "normalize", True)
+    ):
         return ("all-reduce", "owner")
     if type(method) in (Tsv, IsoCts):
         return ("low-rank", "owner")

@@ -1,0 +1,261 @@
+"""`mloco merge --config merge.yml`: mergekit's YAML for the shared methods, checked against
+mergekit's formulas written out here in float64, and mloco's own method names."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from checkpoint_factory import load_state_dict, write_state_dict
+from test_cli_merge import assert_one_line_error, run_main
+
+from mergekit_loco.merge_config import MergeConfigError, load_merge_config
+
+SHAPES = {"layer.weight": (12, 9), "layer.bias": (12,), "head.weight": (7, 12)}
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    """A float32 base and three fine-tunes as .safetensors files (float64 copies for checks)."""
+    root = tmp_path_factory.mktemp("config")
+    generator = torch.Generator().manual_seed(0)
+    base = {name: torch.randn(shape, generator=generator) for name, shape in SHAPES.items()}
+    paths = {"base": write_state_dict(base, root / "base.safetensors")}
+    for index in range(1, 4):
+        tuned = {n: t + 0.1 * torch.randn(t.shape, generator=generator) for n, t in base.items()}
+        paths[f"ft{index}"] = write_state_dict(tuned, root / f"ft{index}.safetensors")
+    return paths
+
+
+def states(family, *keys) -> list[dict[str, np.ndarray]]:
+    return [
+        {n: t.double().numpy() for n, t in load_state_dict(family[key]).items()} for key in keys
+    ]
+
+
+def write_config(tmp_path, family, method, models, parameters=None, base=True) -> str:
+    """A mergekit YAML: ``models`` is ``[(key, {per-model parameters})]``; float64 math."""
+    lines = [f"merge_method: {method}", "dtype: float64"]
+    if base:
+        lines.append(f"base_model: {family['base']}")
+    lines.append("models:")
+    for key, own in models:
+        lines.append(f"  - model: {family[key]}")
+        if own:
+            lines.append(f"    parameters: {own}")
+    if parameters:
+        lines.append(f"parameters: {parameters}")
+    config = tmp_path / "merge.yml"
+    config.write_text("\n".join(lines) + "\n")
+    return config
+
+
+def merge_with_config(capsys, config, out) -> dict[str, np.ndarray]:
+    code, _, err = run_main(capsys, "merge", "--config", config, "-o", out, "--quiet")
+    assert code == 0, err
+    return {n: t.numpy() for n, t in load_state_dict(out).items()}
+
+
+def assert_all_close(merged, expected):
+    assert set(merged) == set(expected)
+    for name in expected:
+        assert merged[name].dtype == np.float64
+        np.testing.assert_allclose(merged[name], expected[name], rtol=0, atol=1e-12)
+
+
+# -- mergekit's formulas, per tensor, in float64 --------------------------------------------------
+def magnitude_mask(delta: np.ndarray, density: float) -> np.ndarray:
+    """mergekit's magnitude(): keep the top k = max(1, int(density n)) entries by |x|."""
+    if density >= 1:
+        return np.ones(delta.shape, dtype=bool)
+    k = max(1, int(density * delta.size))
+    keep = np.zeros(delta.size, dtype=bool)
+    keep[np.argsort(-np.abs(delta.ravel()), kind="stable")[:k]] = True
+    return keep.reshape(delta.shape)
+
+
+def mergekit_ties(deltas, weights, densities, normalize):
+    weighted = np.stack(
+        [w * d * magnitude_mask(d, p) for d, w, p in zip(deltas, weights, densities, strict=True)]
+    )
+    majority = np.where(weighted.sum(axis=0) >= 0, 1.0, -1.0)
+    mask = np.sign(weighted) == majority
+    mixed = (weighted * mask).sum(axis=0)
+    divisor = (np.array(weights).reshape(-1, *[1] * deltas[0].ndim) * mask).sum(axis=0)
+    divisor[divisor == 0] = 1
+    return mixed / divisor if normalize else mixed
+
+
+def band_mask(delta: np.ndarray, density: float, gamma: float) -> np.ndarray:
+    """mergekit's magnitude_outliers(): sort by |x|, keep [n_bot, n_bot + int(density n))."""
+    if density >= 1:
+        return np.ones(delta.shape, dtype=bool)
+    n = delta.size
+    target, top = int(density * n), int(gamma * n)
+    bottom = max(0, n - target - top)
+    keep = np.zeros(n, dtype=bool)
+    keep[np.argsort(np.abs(delta.ravel()), kind="stable")[bottom : bottom + target]] = True
+    return keep.reshape(delta.shape)
+
+
+# -- the shared methods --------------------------------------------------------------------------
+@pytest.mark.parametrize("normalize", [False, True])
+def test_task_arithmetic_weights_lambda_normalize(family, tmp_path, capsys, normalize):
+    weights = [0.5, 1.5, -0.3]
+    models = [(f"ft{i + 1}", {"weight": w}) for i, w in enumerate(weights)]
+    parameters = {"lambda": 0.7, "normalize": normalize}
+    config = write_config(tmp_path, family, "task_arithmetic", models, parameters)
+    merged = merge_with_config(capsys, config, tmp_path / "out.safetensors")
+    base, *tuned = states(family, "base", "ft1", "ft2", "ft3")
+    divisor = sum(weights) if normalize else 1.0
+    expected = {
+        n: theta
+        + 0.7 * sum(w * (t[n] - theta) for w, t in zip(weights, tuned, strict=True)) / divisor
+        for n, theta in base.items()
+    }
+    assert_all_close(merged, expected)
+
+
+def test_linear_is_the_weighted_mean_of_the_models(family, tmp_path, capsys):
+    models = [("ft1", {"weight": 1.0}), ("ft2", {"weight": 3.0})]
+    config = write_config(tmp_path, family, "linear", models, base=False)
+    merged = merge_with_config(capsys, config, tmp_path / "out.safetensors")
+    one, two = states(family, "ft1", "ft2")
+    assert_all_close(merged, {n: (one[n] + 3 * two[n]) / 4 for n in one})
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_ties_per_model_weight_and_density(family, tmp_path, capsys, normalize):
+    weights, densities = [1.0, 2.0, 0.5], [0.5, 0.3, 0.8]
+    models = [
+        (f"ft{i + 1}", {"weight": w, "density": p})
+        for i, (w, p) in enumerate(zip(weights, densities, strict=True))
+    ]
+    parameters = {"normalize": normalize, "lambda": 0.9, "int8_mask": True}
+    config = write_config(tmp_path, family, "ties", models, parameters)
+    merged = merge_with_config(capsys, config, tmp_path / "out.safetensors")
+    base, *tuned = states(family, "base", "ft1", "ft2", "ft3")
+    expected = {
+        n: theta + 0.9 * mergekit_ties([t[n] - theta for t in tuned], weights, densities, normalize)
+        for n, theta in base.items()
+    }
+    assert_all_close(merged, expected)
+
+
+def test_dare_ties_without_dropping_is_weighted_unnormalised_ties(family, tmp_path, capsys):
+    models = [("ft1", {"weight": 0.6}), ("ft2", {"weight": 1.4})]
+    config = write_config(tmp_path, family, "dare_ties", models, {"density": 1.0})
+    merged = merge_with_config(capsys, config, tmp_path / "out.safetensors")
+    base, *tuned = states(family, "base", "ft1", "ft2")
+    expected = {
+        n: theta + mergekit_ties([t[n] - theta for t in tuned], [0.6, 1.4], [1, 1], False)
+        for n, theta in base.items()
+    }
+    assert_all_close(merged, expected)
+
+
+def test_dare_linear_rescale_keeps_each_l1_norm(family, tmp_path, capsys):
+    """One model: merged - base = w * c * (m * tau) with one c per tensor such that the L1
+    norm of tau is kept (mergekit's ``rescale: true``); about density of the entries kept."""
+    config = write_config(
+        tmp_path, family, "dare_linear", [("ft1", {"weight": 2.0})], {"density": 0.5}
+    )
+    merged = merge_with_config(capsys, config, tmp_path / "out.safetensors")
+    base, tuned = states(family, "base", "ft1")
+    for name, theta in base.items():
+        delta, got = tuned[name] - theta, (merged[name] - theta) / 2.0
+        kept = got != 0
+        assert 0.2 < kept.mean() < 0.8
+        np.testing.assert_allclose(np.abs(got).sum(), np.abs(delta).sum(), rtol=1e-12)
+        ratios = got[kept] / delta[kept]
+        np.testing.assert_allclose(ratios, ratios[0], rtol=1e-9)
+
+
+def test_breadcrumbs_weighted_sum_of_bands(family, tmp_path, capsys):
+    weights = [1.0, 0.5]
+    models = [("ft1", {"weight": 1.0, "gamma": 0.1}), ("ft2", {"weight": 0.5, "gamma": 0.2})]
+    config = write_config(tmp_path, family, "breadcrumbs", models, {"density": 0.6})
+    merged = merge_with_config(capsys, config, tmp_path / "out.safetensors")
+    base, *tuned = states(family, "base", "ft1", "ft2")
+    gammas = [0.1, 0.2]
+    expected = {}
+    for n, theta in base.items():
+        deltas = [t[n] - theta for t in tuned]
+        expected[n] = theta + sum(
+            w * d * band_mask(d, 0.6, g) for w, d, g in zip(weights, deltas, gammas, strict=True)
+        )
+    assert_all_close(merged, expected)
+
+
+def test_own_method_names_take_their_parameters(family, tmp_path, capsys):
+    config = write_config(
+        tmp_path,
+        family,
+        "iso-c",
+        [("ft1", None), ("ft2", None)],
+        {"spectral": "exact", "lambda": 0.5},
+    )
+    merged = merge_with_config(capsys, config, tmp_path / "out.safetensors")
+    base, *tuned = states(family, "base", "ft1", "ft2")
+    for name, theta in base.items():
+        summed = sum(t[name] - theta for t in tuned)
+        if summed.ndim == 2:
+            left, singular, right = np.linalg.svd(summed, full_matrices=False)
+            summed = singular.mean() * left @ right
+        else:
+            summed = summed / 2
+        np.testing.assert_allclose(merged[name], theta + 0.5 * summed, rtol=0, atol=1e-10)
+
+
+def test_config_keeps_out_dtype_and_skips_the_base_listed_among_models(family, tmp_path):
+    config = tmp_path / "merge.yml"
+    config.write_text(
+        f"merge_method: task_arithmetic\nbase_model: {family['base']}\nmodels:\n"
+        f"  - model: {family['base']}\n  - model: {family['ft1']}\n    parameters: {{weight: 1}}\n"
+        "dtype: float32\nout_dtype: bfloat16\n"
+    )
+    configured = load_merge_config(config)
+    assert configured.models == [family["ft1"]] and configured.base == family["base"]
+    assert (configured.compute_dtype, configured.dtype) == (torch.float32, torch.bfloat16)
+
+
+# -- errors ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("method", "models", "parameters", "fragments"),
+    [
+        ("slerp", [("ft1", {"weight": 1})], None, ["merge_method 'slerp'", "dare_ties"]),
+        ("ties", [("ft1", {"weight": 1})], {"rescale": True}, ["'rescale: true'", "'ties'"]),
+        ("ties", [("ft1", {"weight": 1})], {"epsilon": 0.1}, ["'epsilon'", "not supported"]),
+        ("ties", [("ft1", {"density": 0.5})], None, ["ft1", "needs a 'weight'"]),
+        ("ties", [("ft1", {"weight": [0, 1]})], None, ["'weight'", "layer-wise"]),
+        ("task_arithmetic", [("ft1", {"weight": 1, "lambda": 2})], None, ["'lambda'", "per model"]),
+        ("iso-c", [("ft1", {"weight": 2})], None, ["'iso-c'", "per-model weights"]),
+    ],
+)
+def test_unsupported_configs_are_one_line_errors(
+    family, tmp_path, capsys, method, models, parameters, fragments
+):
+    config = write_config(tmp_path, family, method, models, parameters)
+    code, _, err = run_main(capsys, "merge", "--config", config, "-o", tmp_path / "out")
+    assert code == 2
+    assert_one_line_error(err, str(config), *fragments)
+    assert not (tmp_path / "out").exists()
+
+
+def test_mergekit_keys_mloco_lacks_are_named(tmp_path):
+    config = tmp_path / "merge.yml"
+    config.write_text("merge_method: ties\nslices:\n  - sources: []\n")
+    with pytest.raises(MergeConfigError, match="'slices' is not supported"):
+        load_merge_config(config)
+    config.write_text("merge_method: ties\nmodels:\n  - model: a+lora\n")
+    with pytest.raises(MergeConfigError, match=r"MODEL\+LORA"):
+        load_merge_config(config)
+
+
+def test_config_and_method_options_together_are_an_error(family, tmp_path, capsys):
+    config = write_config(tmp_path, family, "task_arithmetic", [("ft1", {"weight": 1})])
+    code, _, err = run_main(
+        capsys, "merge", "--config", config, "--method", "ta", "-o", tmp_path / "out"
+    )
+    assert code == 2
+    assert_one_line_error(err, "--method cannot be given with a config file")
