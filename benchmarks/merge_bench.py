@@ -188,7 +188,7 @@ def median_result(results: list[Result]) -> Result:
     return ordered[(len(ordered) - 1) // 2]
 
 
-def print_tables(results, cat_seconds, differences, shape_line, largest_bytes, loads) -> None:
+def print_tables(results, ratios, cat_seconds, differences, shape_line, largest_bytes, loads):
     megabyte = 2**20
     print(f"\n{shape_line}")
     print(f"machine: {machine()}")
@@ -213,24 +213,30 @@ def print_tables(results, cat_seconds, differences, shape_line, largest_bytes, l
         f"\ncat of the 4 inputs: {cat_seconds:.2f} s. floor = RSS of the mloco child after "
         f"imports: {max(floors) / megabyte:.0f} MB. wall s = whole process incl. imports."
     )
-    pairs = [
-        (r, m)
-        for r in results
-        for m in results
-        if r.tool == "mloco" and m.tool == "mergekit" and r.label == m.label
-    ]
-    if pairs:
+    if ratios:
         print(
             f"\n{'method':<8} {'wall mloco/mergekit':>20} {'peak RSS mloco/mergekit':>24}"
             f" {'max |mloco-mergekit|':>21} {'entries differing':>18}"
         )
-        for ours, theirs in pairs:
-            worst, fraction = differences[ours.label]
-            print(
-                f"{ours.label:<8} {ours.seconds / theirs.seconds:>20.2f}"
-                f" {ours.peak_rss_bytes / theirs.peak_rss_bytes:>24.2f}"
-                f" {worst:>21.2e} {fraction:>17.2%}"
+        for label, (wall, peak) in ratios.items():
+            worst, fraction = differences[label]
+            print(f"{label:<8} {wall:>20.2f} {peak:>24.2f} {worst:>21.2e} {fraction:>17.2%}")
+        print("(ratios: median over the repeats of each back-to-back pair of runs)")
+
+
+def paired_ratios(runs: dict) -> dict[str, tuple[float, float]]:
+    """label -> (median wall ratio, median peak RSS ratio) of each mloco run over the mergekit
+    run right after it."""
+    ratios = {}
+    for (label, tool), ours in runs.items():
+        theirs = runs.get((label, "mergekit"))
+        if tool == "mloco" and theirs:
+            pairs = list(zip(ours, theirs, strict=True))
+            ratios[label] = (
+                statistics.median(a.seconds / b.seconds for a, b in pairs),
+                statistics.median(a.peak_rss_bytes / b.peak_rss_bytes for a, b in pairs),
             )
+    return ratios
 
 
 def mergekit_command(args) -> list[str] | None:
@@ -294,7 +300,13 @@ def main() -> None:
             f" {FINETUNES} fine-tunes; median of {args.repeat} run(s)"
         )
         print_tables(
-            results, statistics.median(cat_times), differences, shape_line, largest_bytes, loads
+            results,
+            paired_ratios(runs),
+            statistics.median(cat_times),
+            differences,
+            shape_line,
+            largest_bytes,
+            loads,
         )
         if not mergekit:
             print(

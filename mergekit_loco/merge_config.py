@@ -42,8 +42,14 @@ SHARED_METHODS: dict[str, tuple[str, dict]] = {
     "linear": ("mean", {"normalize": True}),
     "task_arithmetic": ("ta", {"normalize": False, "lambda": 1.0}),
     "ties": ("ties", {"normalize": True, "lambda": 1.0, "density": 1.0, "rescale": False}),
-    "dare_linear": ("dare", {"normalize": False, "lambda": 1.0, "density": 1.0, "rescale": True}),
-    "dare_ties": ("dare", {"normalize": False, "lambda": 1.0, "density": 1.0, "rescale": True}),
+    "dare_linear": (
+        "dare",
+        {"normalize": False, "lambda": 1.0, "density": 1.0, "rescale": True, "seed": 0},
+    ),
+    "dare_ties": (
+        "dare",
+        {"normalize": False, "lambda": 1.0, "density": 1.0, "rescale": True, "seed": 0},
+    ),
     "breadcrumbs": (
         "breadcrumbs",
         {"normalize": False, "lambda": 1.0, "density": 1.0, "gamma": 0.01, "rescale": False},
@@ -213,6 +219,7 @@ def shared_method(path: Path, method: str, entries: list, shared: dict, base) ->
         params["weights"] = tuple(w / total if settings["normalize"] else w for w in weights)
     if ours == "dare":
         params["rescale"] = "l1" if settings["rescale"] else "none"
+        params["seed"] = int(settings["seed"])
         params["consensus"] = method == "dare_ties"
     return ours, params, float(settings["lambda"])
 

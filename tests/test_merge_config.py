@@ -3,11 +3,13 @@ mergekit's formulas written out here in float64, and mloco's own method names.""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
 from checkpoint_factory import load_state_dict, write_state_dict
-from test_cli_merge import assert_one_line_error, run_main
+from test_cli_merge import REPO, assert_one_line_error, run_main
 
 from mergekit_loco.merge_config import MergeConfigError, load_merge_config
 
@@ -259,3 +261,9 @@ def test_config_and_method_options_together_are_an_error(family, tmp_path, capsy
     )
     assert code == 2
     assert_one_line_error(err, "--method cannot be given with a config file")
+
+
+def test_the_docs_yaml_block_is_the_example_file():
+    docs = (REPO / "docs" / "merging.md").read_text()
+    blocks = re.findall(r"^```yaml\n(.*?)^```", docs, re.MULTILINE | re.DOTALL)
+    assert blocks == [(REPO / "examples" / "tiny" / "ties.yml").read_text()]
