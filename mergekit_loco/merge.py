@@ -27,7 +27,9 @@ from mergekit_loco.io import (
     CheckpointWriter,
     open_checkpoint,
 )
+from mergekit_loco.io.lora import LoraAdapter, is_lora_adapter
 from mergekit_loco.io.prefetch import Prefetcher
+from mergekit_loco.low_rank import LowRankDelta, from_factors, merge_from_factors
 from mergekit_loco.methods import MergeMethod, get_method
 from mergekit_loco.methods.base import sum_of
 from mergekit_loco.task_vector import is_mergeable
@@ -175,12 +177,21 @@ def read_finite(reader: CheckpointReader, name: str) -> torch.Tensor:
 
 
 def read_inputs(
-    name: str, base: CheckpointReader, models: Sequence[CheckpointReader]
-) -> list[torch.Tensor | None]:
-    """``[base tensor, model_1 tensor, ..]`` of ``name``, None for a model that is the base."""
-    return [read_finite(base, name)] + [
-        None if model is base else read_finite(model, name) for model in models
-    ]
+    name: str,
+    base: CheckpointReader,
+    models: Sequence[CheckpointReader | LoraAdapter],
+    compute_dtype: torch.dtype,
+) -> list:
+    """``[base tensor, model_1 input, ..]`` of ``name``: a model's tensor, None for a model that
+    is the base, a :class:`LowRankDelta` for a LoRA adapter."""
+    inputs: list = [read_finite(base, name)]
+    for model in models:
+        if isinstance(model, LoraAdapter):
+            factors = model.factors(name, compute_dtype) if name in model else (None, None)
+            inputs.append(LowRankDelta(*factors))
+        else:
+            inputs.append(None if model is base else read_finite(model, name))
+    return inputs
 
 
 def merge_one(
@@ -205,11 +216,19 @@ def merge_one(
     base_on_device = base_tensor.to(device=device, dtype=compute_dtype)
     del base_tensor
     rows = base_on_device.shape[0] if base_on_device.ndim else 0
+    if all(isinstance(item, LowRankDelta) for item in inputs) and from_factors(method):
+        merged = merge_from_factors(
+            method, name, inputs, base_on_device.shape, compute_dtype, device
+        )
+        return finish_one(name, method, base_on_device, merged, scale, [], out_dtype)
     deltas, appended = [], []
     while inputs:
         tuned = inputs.pop(0)
         if tuned is None:
             deltas.append(torch.zeros_like(base_on_device, dtype=compute_dtype))
+            continue
+        if isinstance(tuned, LowRankDelta):
+            deltas.append(tuned.dense(base_on_device))
             continue
         tuned = tuned.to(device=device, dtype=compute_dtype)  # a fresh read: ours to overwrite
         if base_on_device.ndim and tuned.shape[0] > rows:
@@ -218,8 +237,14 @@ def merge_one(
         deltas.append(tuned.sub_(base_on_device))
     merged = method.merge_tensor(name, deltas)
     del deltas
-    theta = torch.add(base_on_device, merged, alpha=scale, out=merged)
-    del base_on_device
+    return finish_one(name, method, base_on_device, merged, scale, appended, out_dtype)
+
+
+def finish_one(name, method, base_tensor, merged, scale, appended, out_dtype) -> torch.Tensor:
+    """``base + scale * merged`` (in ``merged``'s memory), appended rows averaged below it,
+    cast to ``out_dtype`` and checked finite."""
+    theta = torch.add(base_tensor, merged, alpha=scale, out=merged)
+    del base_tensor
     if appended:
         theta = torch.cat([theta, sum_of(appended).div_(len(appended))])
     theta = theta.to(out_dtype)
@@ -254,10 +279,10 @@ def prefetched_inputs(
     inputs; the base, T deltas and the result in the compute dtype; the output cast. That is
     about (T + 2) x the largest tensor; what the method allocates comes on top.
     """
-    readers = [base] + [model for model in models if model is not base]
+    readers = [base] + [m for m in models if m is not base and isinstance(m, CheckpointReader)]
 
     def input_bytes(name: str) -> int:
-        return sum(r.entry(name).end - r.entry(name).begin for r in readers)
+        return sum(r.entry(name).end - r.entry(name).begin for r in readers)  # adapters: small
 
     def working_bytes(name: str) -> int:
         numel = max(math.prod(r.shape(name)) for r in readers)
@@ -269,7 +294,11 @@ def prefetched_inputs(
     names = base.names()
     budget = max((working_bytes(name) for name in names), default=0)
     return Prefetcher(
-        names, lambda name: read_inputs(name, base, models), input_bytes, working_bytes, budget
+        names,
+        lambda name: read_inputs(name, base, models, compute_dtype),
+        input_bytes,
+        working_bytes,
+        budget,
     )
 
 
@@ -349,9 +378,21 @@ def merge_checkpoints(
     target = resolve_device(device)
     merged_count = copied_count = 0
     with ExitStack() as stack:
-        readers = [stack.enter_context(open_checkpoint(path)) for path in model_paths]
+        readers = [
+            stack.enter_context(
+                LoraAdapter(path) if is_lora_adapter(path) else open_checkpoint(path)
+            )
+            for path in model_paths
+        ]
+        adapters = [reader for reader in readers if isinstance(reader, LoraAdapter)]
+        if adapters and base is None:
+            raise MissingBaseError(
+                f"{adapters[0].path} is a LoRA adapter (a delta): give --base, the model it adapts"
+            )
         base_reader = stack.enter_context(open_checkpoint(base)) if base is not None else readers[0]
-        appended = check_compatible(base_reader, readers)
+        appended = check_compatible(base_reader, [r for r in readers if r not in adapters])
+        for adapter in adapters:
+            adapter.check_against(base_reader)
         writer = stack.enter_context(
             CheckpointWriter(
                 out,

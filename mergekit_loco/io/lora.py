@@ -1,0 +1,155 @@
+"""PEFT LoRA adapters read as task vectors: ``delta W = scaling * B @ A`` per target module.
+
+An adapter folder holds ``adapter_config.json`` and ``adapter_model.safetensors`` with, per
+adapted linear layer ``M``, ``base_model.model.M.lora_A.weight`` (r x in) and
+``base_model.model.M.lora_B.weight`` (out x r); it adapts the base tensor ``M.weight``.
+``scaling = lora_alpha / r`` (``lora_alpha / sqrt(r)`` with ``use_rslora``). Options that are not
+a plain low-rank delta of a weight (DoRA, trained biases, saved full modules, embedding LoRA,
+``fan_in_fan_out``) are refused with the option named.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from mergekit_loco.io.reader import CheckpointError, CheckpointReader, read_header
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+KEY_PREFIX = "base_model.model."
+
+
+def is_lora_adapter(path: str | Path) -> bool:
+    """A folder with ``adapter_config.json`` (a PEFT adapter, not a full checkpoint)."""
+    return (Path(path) / ADAPTER_CONFIG).is_file()
+
+
+def read_adapter_config(folder: Path) -> dict:
+    file = folder / ADAPTER_CONFIG
+    try:
+        config = json.loads(file.read_text())
+    except OSError as error:
+        raise CheckpointError(f"{file}: cannot read ({error.strerror or error})") from None
+    except ValueError as error:
+        raise CheckpointError(f"{file}: bad JSON ({error})") from None
+    refusals = [
+        ("peft_type", config.get("peft_type", "LORA") != "LORA", "only LORA adapters are read"),
+        ("use_dora", bool(config.get("use_dora")), "DoRA's magnitude vector is not a delta"),
+        ("bias", config.get("bias", "none") != "none", "trained biases are not supported"),
+        ("modules_to_save", bool(config.get("modules_to_save")), "saved modules unsupported"),
+        ("fan_in_fan_out", bool(config.get("fan_in_fan_out")), "Conv1D layouts unsupported"),
+        ("layers_to_transform", config.get("layers_to_transform") is not None, "unsupported"),
+    ]
+    for option, refused, reason in refusals:
+        if refused:
+            raise CheckpointError(f"{file}: {option}={config.get(option)!r}: {reason}")
+    if not isinstance(config.get("r"), int) or config["r"] <= 0:
+        raise CheckpointError(f"{file}: 'r' must be a positive integer, not {config.get('r')!r}")
+    return config
+
+
+class LoraAdapter:
+    """The deltas one PEFT LoRA adapter makes to the base tensors, read lazily.
+
+    ``targets()`` lists the base tensor names it adapts; ``factors(name)`` returns
+    ``(scaling * B, A)`` so that ``delta = scaling * B @ A``; ``delta(name)`` the dense delta.
+    """
+
+    def __init__(self, folder: str | Path):
+        self.path = Path(folder)
+        config = read_adapter_config(self.path)
+        weights = self.path / ADAPTER_WEIGHTS
+        if not weights.is_file():
+            found = sorted(p.name for p in self.path.glob("adapter_model.*"))
+            hint = f" (found {found[0]}: convert it to safetensors)" if found else ""
+            raise CheckpointError(f"{self.path}: no {ADAPTER_WEIGHTS}{hint}")
+        self._reader = CheckpointReader(self.path, weights, read_header(weights))
+        self._modules = self._pair_factors(weights)
+        self._scalings = {
+            name: self._scaling(config, module) for name, module in self._module_names.items()
+        }
+
+    def _pair_factors(self, weights: Path) -> dict[str, tuple[str, str]]:
+        """base tensor name -> (key of A, key of B), every key accounted for."""
+        pairs: dict[str, dict[str, str]] = {}
+        self._module_names: dict[str, str] = {}
+        for key in self._reader.names():
+            stem = key.removeprefix(KEY_PREFIX)
+            for factor in ("lora_A", "lora_B"):
+                marker = f".{factor}."
+                if marker in stem and stem.endswith(".weight"):
+                    module = stem.split(marker)[0]
+                    pairs.setdefault(f"{module}.weight", {})[factor] = key
+                    self._module_names[f"{module}.weight"] = module
+                    break
+            else:
+                what = "embedding LoRA" if "lora_embedding" in key else "not a lora_A/lora_B weight"
+                raise CheckpointError(f"{weights}: tensor {key!r}: {what} (unsupported)")
+        for name, found in pairs.items():
+            missing = {"lora_A", "lora_B"} - set(found)
+            if missing:
+                raise CheckpointError(f"{weights}: {name!r} has no {missing.pop()} factor")
+        return {name: (found["lora_A"], found["lora_B"]) for name, found in pairs.items()}
+
+    def _scaling(self, config: dict, module: str) -> float:
+        """``alpha / r`` (or ``alpha / sqrt(r)``), honouring rank_pattern/alpha_pattern keys
+        that match the module's name or end its path."""
+
+        def pattern_value(pattern: dict | None, default):
+            for key, value in (pattern or {}).items():
+                if module == key or module.endswith(f".{key}"):
+                    return value
+            return default
+
+        rank = pattern_value(config.get("rank_pattern"), config["r"])
+        alpha = pattern_value(config.get("alpha_pattern"), config.get("lora_alpha", 8))
+        return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+
+    def targets(self) -> list[str]:
+        return list(self._modules)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._modules
+
+    def factor_shapes(self, name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        key_a, key_b = self._modules[name]
+        return self._reader.shape(key_b), self._reader.shape(key_a)
+
+    def check_against(self, base: CheckpointReader) -> None:
+        """Every adapted tensor exists in the base with shape ``(B rows, A columns)`` and the
+        factors share their rank."""
+        for name in self._modules:
+            if name not in base:
+                raise CheckpointError(
+                    f"{self.path}: adapts {name!r}, which is not a tensor of the base ({base.path})"
+                )
+            (rows, rank_b), (rank_a, cols) = self.factor_shapes(name)
+            if rank_a != rank_b or tuple(base.shape(name)) != (rows, cols):
+                raise CheckpointError(
+                    f"{self.path}: {name!r}: B {[rows, rank_b]} @ A {[rank_a, cols]} does not "
+                    f"give the base's shape {list(base.shape(name))}"
+                )
+
+    def factors(self, name: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(scaling * B, A)`` of base tensor ``name`` in ``dtype``."""
+        key_a, key_b = self._modules[name]
+        lora_b = self._reader.get(key_b).to(dtype).mul_(self._scalings[name])
+        return lora_b, self._reader.get(key_a).to(dtype)
+
+    def delta(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """The dense ``scaling * B @ A`` of base tensor ``name`` in ``dtype``."""
+        lora_b, lora_a = self.factors(name, dtype)
+        return lora_b @ lora_a
+
+    def close(self) -> None:
+        self._reader.close()
+
+    def __enter__(self) -> LoraAdapter:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
