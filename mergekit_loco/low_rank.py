@@ -5,6 +5,8 @@ The sum of T such deltas is ``L R`` with ``L = [B_1 .. B_T]`` (m x Tr) and ``R =
 ``L = Q_L R_L`` and ``R^T = Q_R R_R`` (QR), ``L R = Q_L (R_L R_R^T) Q_R^T`` and the SVD of the
 small core ``R_L R_R^T = U_c S V_c^T`` gives ``U = Q_L U_c``, ``V = Q_R V_c``.
 
+``ta`` and ``mean`` can also be written as one LoRA adapter (:func:`merge_to_lora`).
+
 Methods computed from the factors: ``mean`` and ``ta`` (``L R`` with the weights folded into L)
 and rank-aware exact ``iso-c`` (``mean(s) U V^T`` over the non-zero singular values, which is
 determined by the deltas; without ``rank_aware`` Iso-C spreads mean(s) over arbitrary null-space
@@ -14,11 +16,22 @@ directions, so it runs on dense deltas). Every other method gets dense deltas ``
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from mergekit_loco.io import CheckpointError, open_checkpoint
+from mergekit_loco.io.lora import (
+    ADAPTER_CONFIG,
+    KEY_PREFIX,
+    LoraAdapter,
+    is_lora_adapter,
+    write_lora_adapter,
+)
 from mergekit_loco.linalg import numerical_rank, thin_svd
 from mergekit_loco.methods import MergeMethod
 from mergekit_loco.methods.base import task_weights
@@ -100,3 +113,64 @@ def merge_from_factors(
     if rank == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
     return (singular[:rank].mean() * (u[:, :rank] @ vh[:rank])).to(dtype)
+
+
+def merge_to_lora(
+    adapter_paths: Sequence[str | Path],
+    method: MergeMethod,
+    out: str | Path,
+    scale: float = 1.0,
+    base: str | Path | None = None,
+    force: bool = False,
+) -> Path:
+    """``ta`` or ``mean`` of LoRA adapters written as one LoRA adapter, exactly.
+
+    ``scale * sum_t c_t B_t A_t = B' A'`` with ``B' = [scale c_1 B_1 .. scale c_T B_T]`` and
+    ``A' = [A_1; ..; A_T]`` per module, where ``c_t = w_t * scaling_t`` (``w_t`` = the method's
+    weights; for ``mean`` divided by their sum). The adapter's rank per module is the sum of the
+    ranks that adapt it (``r`` the most common, others in ``rank_pattern``) and ``lora_alpha``
+    equals it, so its scaling is 1. ``base``, if given, is checked against every adapter.
+    """
+    if not isinstance(method, Mean | TaskArithmetic):
+        raise ValueError(
+            f"--lora-output: only ta and mean of adapters are low-rank, not {method.name}"
+        )
+    with ExitStack() as stack:
+        adapters = []
+        for path in adapter_paths:
+            if not is_lora_adapter(path):
+                raise CheckpointError(
+                    f"{path}: --lora-output needs LoRA adapters (no {ADAPTER_CONFIG})"
+                )
+            adapters.append(stack.enter_context(LoraAdapter(path)))
+        if base is not None:
+            base_reader = stack.enter_context(open_checkpoint(base))
+            for adapter in adapters:
+                adapter.check_against(base_reader)
+        count = len(adapters)
+        weights = task_weights(method.name, method.weights, count) or (1.0,) * count
+        if isinstance(method, Mean):
+            weights = tuple(weight / math.fsum(weights) for weight in weights)
+        tensors, ranks = {}, {}
+        names = list(dict.fromkeys(name for adapter in adapters for name in adapter.targets()))
+        for name in names:
+            used = [(a, w) for a, w in zip(adapters, weights, strict=True) if name in a]
+            factors = [(a.factors(name, torch.float32), w) for a, w in used]
+            module = name.removesuffix(".weight")
+            key = f"{KEY_PREFIX}{module}"
+            tensors[f"{key}.lora_B.weight"] = torch.cat(
+                [b * (scale * w) for (b, _), w in factors], 1
+            )
+            tensors[f"{key}.lora_A.weight"] = torch.cat([a for (_, a), _ in factors], 0)
+            ranks[module] = tensors[f"{key}.lora_A.weight"].shape[0]
+        rank = Counter(ranks.values()).most_common(1)[0][0]
+        pattern = {module: r for module, r in ranks.items() if r != rank}
+        config = adapters[0].config | {
+            "r": rank,
+            "lora_alpha": rank,
+            "use_rslora": False,
+            "rank_pattern": pattern,
+            "alpha_pattern": dict(pattern),
+            "target_modules": sorted({module.rsplit(".", 1)[-1] for module in ranks}),
+        }
+        return write_lora_adapter(out, tensors, config, force)

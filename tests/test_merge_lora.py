@@ -218,3 +218,46 @@ def test_adapter_without_base_and_foreign_modules_are_errors(adapters, tmp_path,
     )
     assert code == 2
     assert_one_line_error(err, str(folders[0]), "does not give the base's shape")
+
+
+@pytest.mark.parametrize("method", ["ta", "mean"])
+def test_lora_output_is_exactly_the_merged_delta(adapters, tmp_path, capsys, method):
+    base, folders = adapters
+    out = tmp_path / "merged-adapter"
+    code, _, err = run_main(
+        capsys,
+        "merge",
+        *folders,
+        "--base",
+        base,
+        "--method",
+        method,
+        "--scale",
+        "0.5",
+        "--lora-output",
+        "-o",
+        out,
+        "--quiet",
+    )
+    assert code == 0, err
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["use_rslora"]) == (7, 7, False)
+    assert config["rank_pattern"] == {} and config["peft_type"] == "LORA"
+    base_state, deltas = float64_inputs(base, folders)
+    written = dense_deltas(out, base_state)
+    divisor = 3 if method == "mean" else 1
+    for name in base_state:
+        expected = 0.5 * sum(delta[name] for delta in deltas) / divisor
+        np.testing.assert_allclose(written[name], expected, rtol=0, atol=1e-7)
+    code, _, err = run_main(capsys, "merge", *folders, "--method", "ta", "--lora-output", "-o", out)
+    assert code == 2
+    assert_one_line_error(err, str(out), "exists", "--force")
+
+
+def test_lora_output_of_other_methods_is_an_error(adapters, tmp_path, capsys):
+    base, folders = adapters
+    code, _, err = run_main(
+        capsys, "merge", *folders, "--method", "iso-c", "--lora-output", "-o", tmp_path / "o"
+    )
+    assert code == 2
+    assert_one_line_error(err, "--lora-output", "only ta and mean", "iso-c")

@@ -15,9 +15,10 @@ from rich.table import Table
 
 from mergekit_loco.cli.common import Debug, Quiet, format_bytes, parse_choice, user_errors
 from mergekit_loco.io import DEFAULT_MAX_SHARD_BYTES
+from mergekit_loco.low_rank import merge_to_lora
 from mergekit_loco.merge import MergeSummary, merge_checkpoints
 from mergekit_loco.merge_config import load_merge_config
-from mergekit_loco.methods import METHODS, list_methods
+from mergekit_loco.methods import METHODS, get_method, list_methods
 
 OUTPUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 COMPUTE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -34,6 +35,11 @@ def parse_size(value: str) -> int:
 
 
 MERGE_KEYS = ("scale", "dtype", "compute_dtype")
+
+
+def given_params(options: dict) -> dict:
+    """The method parameters among the merge options (everything but scale and dtypes)."""
+    return {key: value for key, value in options.items() if key not in MERGE_KEYS}
 
 
 def from_config(config: Path, models, base, method, options: dict):
@@ -128,6 +134,12 @@ def merge(
         str, typer.Option(help="Largest shard of a folder output, e.g. 5GB, 500MB.")
     ] = f"{DEFAULT_MAX_SHARD_BYTES // 10**9}GB",
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
+    lora_output: Annotated[
+        bool,
+        typer.Option(
+            "--lora-output", help="ta/mean of LoRA adapters: write one LoRA adapter folder."
+        ),
+    ] = False,
     quiet: Quiet = False,
     debug: Debug = False,
 ) -> None:
@@ -150,6 +162,12 @@ def merge(
         models, base, method, options = from_config(config, models, base, method, options)
     elif not models or method is None:
         raise ValueError("give MODEL... and --method (or a --config file)")
+    if lora_output:
+        merge_method = get_method(method, **given_params(options))
+        written = merge_to_lora(models, merge_method, output, options["scale"], base, force)
+        if not quiet:
+            Console().print(f"wrote the merged LoRA adapter to {written}")
+        return
     summary = merge_checkpoints(
         models,
         base,

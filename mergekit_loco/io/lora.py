@@ -12,11 +12,16 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from mergekit_loco.io.reader import CheckpointError, CheckpointReader, read_header
+from mergekit_loco.io.writer import check_output_free
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -67,6 +72,7 @@ class LoraAdapter:
             found = sorted(p.name for p in self.path.glob("adapter_model.*"))
             hint = f" (found {found[0]}: convert it to safetensors)" if found else ""
             raise CheckpointError(f"{self.path}: no {ADAPTER_WEIGHTS}{hint}")
+        self.config = config
         self._reader = CheckpointReader(self.path, weights, read_header(weights))
         self._modules = self._pair_factors(weights)
         self._scalings = {
@@ -153,3 +159,33 @@ class LoraAdapter:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def write_lora_adapter(
+    out: str | Path, tensors: dict[str, torch.Tensor], config: dict, force: bool = False
+) -> Path:
+    """Write a PEFT adapter folder (``adapter_model.safetensors`` + ``adapter_config.json``)
+    atomically: built in a hidden sibling, renamed into place; an existing ``out`` is replaced
+    only with ``force`` (moved aside first, deleted once the new folder is in place)."""
+    out = Path(out)
+    check_output_free(out, force)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    aside = None
+    try:
+        save_file(tensors, staging / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+        (staging / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        staging.chmod(0o755)
+        if out.exists():
+            aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.replace(out, aside / out.name)
+        os.replace(staging, out)
+    except BaseException:
+        if aside is not None and not out.exists():
+            os.replace(aside / out.name, out)
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    finally:
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
+    return out
