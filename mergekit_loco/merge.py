@@ -30,6 +30,7 @@ from mergekit_loco.io import (
 from mergekit_loco.io.lora import LoraAdapter, is_lora_adapter
 from mergekit_loco.io.prefetch import Prefetcher
 from mergekit_loco.low_rank import LowRankDelta, from_factors, merge_from_factors
+from mergekit_loco.merge_checks import check_compatible, config_source
 from mergekit_loco.methods import MergeMethod, get_method
 from mergekit_loco.methods.base import sum_of
 from mergekit_loco.task_vector import is_mergeable
@@ -74,91 +75,6 @@ def missing_base_message(method: str, models: Sequence[Path], out: str | Path) -
         f"from (task vectors are model - base); run: mloco merge {model_args} --base BASE "
         f"--method {method} -o {out} (only --method mean needs no base)"
     )
-
-
-def dtype_kind(dtype: torch.dtype) -> str:
-    if dtype.is_floating_point:
-        return "float"
-    if dtype.is_complex:
-        return "complex"
-    return "bool" if dtype == torch.bool else "integer"
-
-
-def added_rows(name: str, base: CheckpointReader, models: Sequence[CheckpointReader]) -> int | None:
-    """Rows that fine-tunes appended to 2-D tensor ``name`` (added tokens in an embedding or
-    lm_head): 0 if every model has the base's shape, None if a shape differs otherwise.
-
-    Every model must have either the base's rows or ``base rows + added`` with one common
-    ``added > 0``; different added counts raise :class:`CheckpointError`.
-    """
-    base_shape = base.shape(name)
-    shapes = [model.shape(name) for model in models]
-    if all(shape == base_shape for shape in shapes):
-        return 0
-    if len(base_shape) != 2 or any(
-        len(shape) != 2 or shape[1] != base_shape[1] or shape[0] < base_shape[0] for shape in shapes
-    ):
-        return None
-    extended = [
-        (model, shape[0])
-        for model, shape in zip(models, shapes, strict=True)
-        if shape != base_shape
-    ]
-    first_model, first_rows = extended[0]
-    for model, rows in extended[1:]:
-        if rows != first_rows:
-            raise CheckpointError(
-                f"{model.file_of(name)}: tensor {name!r} has {rows} rows but "
-                f"{first_model.file_of(name)} has {first_rows} (base: {base_shape[0]}); models "
-                "that add tokens must add the same number to be merged"
-            )
-    return first_rows - base_shape[0]
-
-
-def check_compatible(base: CheckpointReader, models: Sequence[CheckpointReader]) -> dict:
-    """Same tensor names, shapes and dtype kinds in every model as in the base (headers only),
-    except for rows appended to 2-D tensors (see :func:`added_rows`).
-
-    Returns ``{name: added rows}`` for the tensors with appended rows.
-    """
-    appended = {}
-    for model in models:
-        if model is base:
-            continue
-        for name in base.names():
-            if name not in model:
-                raise CheckpointError(
-                    f"{model.path}: tensor {name!r} of the base ({base.path}) is missing"
-                )
-        extra = next((name for name in model.names() if name not in base), None)
-        if extra is not None:
-            raise CheckpointError(
-                f"{model.path}: tensor {extra!r} is not in the base ({base.path})"
-            )
-        for name in base.names():
-            kind, base_kind = dtype_kind(model.dtype(name)), dtype_kind(base.dtype(name))
-            if kind != base_kind:
-                raise CheckpointError(
-                    f"{model.file_of(name)}: tensor {name!r} is {kind} ({model.dtype(name)}) but "
-                    f"the base's is {base_kind} ({base.dtype(name)})"
-                )
-    for name in base.names():
-        rows = added_rows(name, base, models)
-        if rows is None:
-            model = next(m for m in models if m.shape(name) != base.shape(name))
-            raise CheckpointError(
-                f"{model.file_of(name)}: tensor {name!r} has shape {list(model.shape(name))}"
-                f" but the base ({base.file_of(name)}) has {list(base.shape(name))}"
-                " (only rows appended to a 2-D tensor, i.e. added tokens, can be merged)"
-            )
-        if rows and not base.dtype(name).is_floating_point:
-            raise CheckpointError(
-                f"{base.file_of(name)}: tensor {name!r} is not floating point; rows appended "
-                "to it cannot be merged"
-            )
-        if rows:
-            appended[name] = rows
-    return appended
 
 
 def all_finite(tensor: torch.Tensor) -> bool:
@@ -253,17 +169,6 @@ def finish_one(name, method, base_tensor, merged, scale, appended, out_dtype) ->
             f"{method.name}: merged tensor {name!r} is not finite in {out_dtype} (overflow?)"
         )
     return theta
-
-
-def config_source(
-    base: CheckpointReader, models: Sequence[CheckpointReader], appended: dict
-) -> Path:
-    """Where the output's config and tokenizer files come from: the base's folder, or, when
-    models added tokens, the folder of the first model that did (its vocabulary is kept)."""
-    name = next(iter(appended), None)
-    if name is None:
-        return base.config_dir
-    return next(m for m in models if m.shape(name) != base.shape(name)).config_dir
 
 
 def prefetched_inputs(
