@@ -49,7 +49,10 @@ def train_command(
         str | None, typer.Option(help=f"Tuned settings: {', '.join(PRESETS)} (default diloco).")
     ] = None,
     model: Annotated[
-        str | None, typer.Option(help="micro, nano, 178m, 512m or a config.json (default nano).")
+        str | None,
+        typer.Option(
+            help="micro, nano, 178m, 512m or any HF causal-LM config.json (default nano)."
+        ),
     ] = None,
     workers: Annotated[
         int | None, typer.Option(help="R, the number of workers (default 8).")
