@@ -28,6 +28,14 @@ from mergekit_loco.methods import MergeMethod, get_method
 from mergekit_loco.task_vector import TaskVector
 from mergekit_loco.train.aggregate import CommStats, aggregate_worker_deltas
 
+#: What the outer step may communicate: exact (None), bfloat16, or int8 with per-row scales.
+COMPRESSIONS = (None, "bf16", "int8")
+
+
+def check_compression(compression: str | None) -> None:
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"compression must be bf16 or int8, not {compression!r}")
+
 
 def resolve_aggregator(
     aggregator: str | MergeMethod, options: Mapping[str, Any] | None = None
@@ -86,8 +94,7 @@ class DiLoCo:
     ):
         if sync_every < 1:
             raise ValueError(f"sync_every must be >= 1, got {sync_every}")
-        if compression not in (None, "bf16", "int8"):
-            raise ValueError(f"compression must be bf16 or int8, not {compression!r}")
+        check_compression(compression)
         named = dict(model.named_parameters())
         excluded = set(exclude)
         unknown = sorted(excluded - set(named))

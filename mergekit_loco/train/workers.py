@@ -48,7 +48,7 @@ class InnerOptimizer:
     def __init__(self, model: torch.nn.Module, config: TrainConfig, total_steps: int):
         params = [p for p in model.parameters() if p.requires_grad]
         adamw_params, muon_params = params, []
-        if config.inner_optimizer == "muon":
+        if config.inner.optimizer == "muon":
             embeddings = {id(p) for p in embedding_parameters(model)}
             muon_params = [p for p in params if p.ndim == 2 and id(p) not in embeddings]
             muon_ids = {id(p) for p in muon_params}
@@ -58,22 +58,22 @@ class InnerOptimizer:
             self.optimizers.append(
                 torch.optim.AdamW(
                     adamw_params,
-                    lr=config.inner_lr,
-                    betas=config.betas,
-                    weight_decay=config.weight_decay,
+                    lr=config.inner.lr,
+                    betas=config.inner.betas,
+                    weight_decay=config.inner.weight_decay,
                 )
             )
         if muon_params:
             self.optimizers.append(
                 torch.optim.Muon(
                     muon_params,
-                    lr=config.inner_lr,
-                    weight_decay=config.weight_decay,
+                    lr=config.inner.lr,
+                    weight_decay=config.inner.weight_decay,
                     adjust_lr_fn="match_rms_adamw",
                 )
             )
         self.schedulers = [
-            LambdaLR(optimizer, WarmupCosine(total_steps, config.warmup_fraction))
+            LambdaLR(optimizer, WarmupCosine(total_steps, config.inner.warmup_fraction))
             for optimizer in self.optimizers
         ]
 
@@ -293,7 +293,7 @@ def launched_by_torchrun() -> bool:
 
 def open_worker_group(config: TrainConfig) -> WorkerGroup:
     """Torchrun workers when started by torchrun with more than one process, else simulated."""
-    device = resolve_device(config.device)
+    device = resolve_device(config.run.device)
     if launched_by_torchrun():
-        return TorchrunWorkers(config.workers, device, config.timeout)
-    return SimulatedWorkers(config.workers, device)
+        return TorchrunWorkers(config.run.workers, device, config.run.timeout)
+    return SimulatedWorkers(config.run.workers, device)
