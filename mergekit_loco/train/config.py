@@ -1,4 +1,5 @@
-"""Run configuration: a typed dataclass that presets, a TOML/YAML/JSON file and flags fill.
+"""Run configuration: ``TrainConfig``, six typed sections (train/config_sections.py) that
+presets, a TOML/YAML/JSON file and flags fill by their flat option names.
 
 Precedence, lowest first: dataclass defaults < preset < config file < flags. When resuming
 (``resume=True``) the run's saved ``config.json`` takes the place of the defaults, so
@@ -16,12 +17,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mergekit_loco.methods import get_method
-from mergekit_loco.train.diloco import check_compression
+from mergekit_loco.train.config_sections import (
+    CheckpointConfig,
+    DataConfig,
+    InnerConfig,
+    ModelConfig,
+    OuterConfig,
+    RunConfig,
+    check_choice,
+)
 
-MODES = ("diloco", "dp")
-INNER_OPTIMIZERS = ("adamw", "muon")
-DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_TOKENS = 2_000_000
 
 #: The seed paper's tuned 178M, R = 8 values, as changes to the sections' defaults (which are
@@ -58,161 +63,6 @@ RUNTIME_FIELDS = frozenset(
     {"out", "resume", "allow_config_change", "force", "checkpoint_every", "keep_checkpoints",
      "eval_every", "stop_after", "timeout", "device", "quiet"}
 )  # fmt: skip
-
-
-def _check_choice(name: str, value: str, choices) -> None:
-    if value not in choices:
-        raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(choices)}")
-
-
-def _check_at_least(minimum: int, **values: int) -> None:
-    """``values``: flat option name -> value."""
-    for name, value in values.items():
-        if value < minimum:
-            raise ValueError(f"{name} must be >= {minimum}, got {value}")
-
-
-# -- the sections -------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ModelConfig:
-    """``name``: a preset (micro, nano, 178m, 512m) or a causal-LM config.json; ``init``: start
-    from this HF folder / safetensors file instead of a fresh init (fine-tuning)."""
-
-    name: str = "nano"
-    init: str | None = None
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    """The documents (``source``), tokenizer, validation hold-out, batch shape and token budget:
-    ``tokens`` (2M unless ``chinchilla``), or ``chinchilla`` tokens per model parameter (the
-    paper uses 20). ``global_batch`` sequences per inner step summed over the workers."""
-
-    source: str = "stdlib"
-    tokenizer: str | None = None
-    vocab_size: int = 4096
-    val_tokens: int = 65536
-    seq_len: int = 128
-    global_batch: int = 64
-    tokens: int | None = None
-    chinchilla: float | None = None
-    #: seed of the validation documents (None: the run's seed); one value shares them across seeds.
-    val_seed: int | None = None
-
-    def __post_init__(self):
-        _check_at_least(1, vocab_size=self.vocab_size, global_batch=self.global_batch)
-        _check_at_least(2, seq_len=self.seq_len)
-        if self.val_tokens < self.seq_len:
-            raise ValueError(
-                f"val_tokens must be >= seq_len ({self.seq_len}), got {self.val_tokens}"
-            )
-        if self.tokens is not None and self.chinchilla is not None:
-            raise ValueError("set the token budget with tokens or chinchilla, not both")
-        if self.tokens is not None and self.tokens < 1:
-            raise ValueError(f"tokens must be >= 1, got {self.tokens}")
-        if self.chinchilla is not None and self.chinchilla <= 0:
-            raise ValueError(f"chinchilla must be > 0, got {self.chinchilla}")
-
-
-@dataclass(frozen=True)
-class InnerConfig:
-    """Each worker's H = ``steps`` inner steps per round: AdamW (or Muon on hidden matrices)
-    with a warmup-cosine schedule peaking at ``lr``, gradient norm clip (0: off)."""
-
-    steps: int = 30
-    optimizer: str = "adamw"
-    lr: float = 1.38e-3
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = 1.0
-    warmup_fraction: float = 0.1
-
-    def __post_init__(self):
-        _check_choice("inner_optimizer", self.optimizer, INNER_OPTIMIZERS)
-        _check_at_least(1, inner_steps=self.steps)
-        if not self.lr > 0:
-            raise ValueError(f"inner_lr must be > 0, got {self.lr}")
-        if self.weight_decay < 0 or self.grad_clip < 0:
-            raise ValueError("weight_decay and grad_clip must be >= 0 (grad_clip 0: no clipping)")
-        if len(self.betas) != 2 or not all(0 <= beta < 1 for beta in self.betas):
-            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
-        if not 0 <= self.warmup_fraction < 1:
-            raise ValueError(f"warmup_fraction must lie in [0, 1), got {self.warmup_fraction}")
-
-
-@dataclass(frozen=True)
-class OuterConfig:
-    """The outer step: ``aggregator`` (a merge method with its options) merges the workers'
-    deltas; SGD with ``lr``, ``momentum`` (Nesterov or not) steps on ``-merged``.
-    ``compression``: what the outer step communicates, None (exact), "bf16" or "int8"."""
-
-    aggregator: str = "mean"
-    aggregator_options: dict[str, Any] = field(default_factory=dict)
-    lr: float = 0.7
-    momentum: float = 0.9
-    nesterov: bool = True
-    compression: str | None = None
-
-    def __post_init__(self):
-        if not self.lr > 0:
-            raise ValueError(f"outer_lr must be > 0, got {self.lr}")
-        if not 0 <= self.momentum < 1:
-            raise ValueError(f"outer_momentum must lie in [0, 1), got {self.momentum}")
-        if self.nesterov and self.momentum == 0:
-            raise ValueError("nesterov needs outer_momentum > 0 (use --no-nesterov)")
-        check_compression(self.compression)
-        try:
-            get_method(self.aggregator, **self.aggregator_options)
-        except ValueError as error:
-            raise ValueError(f"aggregator: {error}") from None
-        except TypeError as error:
-            raise ValueError(f"aggregator options {self.aggregator_options}: {error}") from None
-
-
-@dataclass(frozen=True)
-class CheckpointConfig:
-    """Checkpoint ``every`` N rounds (0: only at the end), keep the newest ``keep``; resume the
-    run in ``out`` (optionally with another config), or start over there (``force``)."""
-
-    every: int = 0
-    keep: int = 2
-    resume: bool = False
-    allow_config_change: bool = False
-    force: bool = False
-
-    def __post_init__(self):
-        _check_at_least(0, checkpoint_every=self.every)
-        _check_at_least(1, keep_checkpoints=self.keep)
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    """The run as a whole. ``mode`` "diloco": R = ``workers`` workers, an outer step per round;
-    "dp": one model on the whole global batch every step (the AdamW data-parallel baseline).
-    ``eval_every`` N rounds (0: only at the end); ``stop_after`` N completed rounds (with a
-    checkpoint; resume continues); ``timeout``: collective timeout in seconds (torchrun)."""
-
-    preset: str = "diloco"
-    mode: str = "diloco"
-    workers: int = 8
-    seed: int = 0
-    out: str = "runs/train"
-    eval_every: int = 0
-    stop_after: int | None = None
-    timeout: float = 1800.0
-    device: str = "auto"
-    quiet: bool = False
-
-    def __post_init__(self):
-        _check_choice("preset", self.preset, PRESETS)
-        _check_choice("mode", self.mode, MODES)
-        _check_choice("device", self.device, DEVICES)
-        _check_at_least(1, workers=self.workers)
-        _check_at_least(0, eval_every=self.eval_every)
-        if self.stop_after is not None and self.stop_after < 1:
-            raise ValueError(f"stop_after must be >= 1, got {self.stop_after}")
-        if not self.timeout > 0:
-            raise ValueError(f"timeout must be > 0, got {self.timeout}")
 
 
 SECTIONS = {
@@ -252,6 +102,7 @@ class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
 
     def __post_init__(self):
+        check_choice("preset", self.run.preset, PRESETS)
         if self.data.global_batch % self.run.workers:
             raise ValueError(
                 f"global_batch {self.data.global_batch} is not divisible by {self.run.workers} "
@@ -442,7 +293,7 @@ def resolve_config(config_file: str | Path | None = None, **overrides: Any) -> T
             base.update(coerce_values(json.loads(saved.read_text()), str(saved)))
     if "preset" in explicit:
         preset = explicit["preset"]
-        _check_choice("preset", preset, PRESETS)
+        check_choice("preset", preset, PRESETS)
         base.update({key: TrainConfig().to_dict()[key] for key in PRESET_KEYS})
         base.update(PRESETS[preset])
     if explicit.get("aggregator", base["aggregator"]) != base["aggregator"]:
