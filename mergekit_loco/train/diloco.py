@@ -103,12 +103,12 @@ class DiLoCo:
         self.params = {
             name: p for name, p in named.items() if p.requires_grad and name not in excluded
         }
-        trainable = {id(p) for p in self.params.values()}
+        allowed = {id(p) for n, p in named.items() if n not in excluded}  # frozen: grad None
         for group in outer_optimizer.param_groups:
-            if any(id(p) not in trainable for p in group["params"]):
+            if any(id(p) not in allowed for p in group["params"]):
                 raise ValueError(
-                    "outer_optimizer holds a tensor that is not a trainable, non-excluded "
-                    "parameter of the model"
+                    "outer_optimizer holds a tensor that is not a parameter of the model or is "
+                    "excluded (it would step on the inner gradient)"
                 )
         self.model = model
         self.inner_optimizers = (
