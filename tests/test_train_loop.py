@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -217,6 +218,25 @@ def test_stop_then_resume_equals_uninterrupted_run(corpus, tmp_path, reference_r
     losses = [e.get("train_loss") for e in read_metrics(tmp_path) if e["event"] == "round"]
     reference = [e.get("train_loss") for e in read_metrics(reference_run.out)]
     assert losses == [loss for loss in reference if loss is not None][:4]
+
+
+def test_resume_from_a_checkpoint_written_before_the_driver(corpus, tmp_path, reference_run):
+    """A checkpoint whose shared.pt holds the former OuterOptimizer state (steps taken, Nesterov
+    buffers by parameter name) resumes to the same parameters as the uninterrupted run."""
+    config = tiny_config(corpus, tmp_path, preset="isoloco", checkpoint_every=1, eval_every=2)
+    train(config.replace(stop_after=2), progress=False)
+    checkpoint = latest_checkpoint(tmp_path)
+    shared = torch.load(checkpoint / "shared.pt", weights_only=True)
+    names = [name for name, _ in build_model(model_config("micro", 512), 0).named_parameters()]
+    buffers = {names[i]: state["momentum_buffer"] for i, state in shared["outer"]["state"].items()}
+    assert len(buffers) == len(names)
+    torch.save({"steps_taken": 2, "momentum_buffers": buffers}, checkpoint / "shared.pt")
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    digest = hashlib.sha256((checkpoint / "shared.pt").read_bytes()).hexdigest()
+    manifest["files"]["shared.pt"] = digest
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+    resumed = train(config.replace(resume=True), progress=False)
+    assert resumed.checksum == reference_run.checksum
 
 
 def test_sigint_stops_and_resume_continues_exactly(corpus, tmp_path, reference_run, monkeypatch):

@@ -112,7 +112,8 @@ class Run:
         if set(saved.global_params) != set(self.global_params):
             raise ValueError(f"checkpoint {path} holds other tensors than the model")
         if self.driver is not None:
-            self.driver.load_state_dict({**saved.shared, "global_params": saved.global_params})
+            shared = driver_state(saved.shared, self.driver)
+            self.driver.load_state_dict({**shared, "global_params": saved.global_params})
         else:
             with torch.no_grad():
                 for name, tensor in self.global_params.items():
@@ -127,6 +128,25 @@ class Run:
         restore_rng_state(saved.rng)
         self.start_round = self.completed = saved.round
         self.last_saved = (saved.round, path)
+
+
+def driver_state(shared: dict, driver: DiLoCo) -> dict:
+    """A checkpoint's outer state as :meth:`DiLoCo.load_state_dict` takes it. Checkpoints written
+    before the driver hold the OuterOptimizer's ``{steps_taken, momentum_buffers by name}``: the
+    same SGD state, the buffers indexed by the position of their parameter in the driver."""
+    if "momentum_buffers" not in shared:
+        return shared
+    buffers = shared["momentum_buffers"]
+    state = {
+        i: {"momentum_buffer": buffers[n]} for i, n in enumerate(driver.params) if n in buffers
+    }
+    param_groups = driver.outer_optimizer.state_dict()["param_groups"]
+    return {
+        "local_steps": 0,
+        "outer_steps": int(shared["steps_taken"]),
+        "pending": [],
+        "outer": {"state": state, "param_groups": param_groups},
+    }
 
 
 def worker_state(worker: Worker) -> dict:
