@@ -32,9 +32,9 @@ from common import llama_shapes, machine
 from rich.console import Console
 from rich.table import Table
 
+from mergekit_loco.dist import gather_then_merge, merge_across_ranks
 from mergekit_loco.methods import get_method
 from mergekit_loco.task_vector import TaskVector
-from mergekit_loco.train.collectives import gather_then_merge, last_comm_stats, merge_across_ranks
 
 METHODS = {  # label: (method, options)
     "mean": ("mean", {}),
@@ -72,9 +72,8 @@ def relative_error(got: TaskVector, expected: TaskVector) -> float:
 def timed(run) -> tuple[TaskVector, float, dict]:
     dist.barrier()
     start = time.perf_counter()
-    merged = run()
+    merged, stats = run()
     seconds = time.perf_counter() - start
-    stats = last_comm_stats()
     return (
         merged,
         seconds,

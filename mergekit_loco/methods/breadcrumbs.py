@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from mergekit_loco.methods.base import MergeMethod, check_fraction, mean_of
+from mergekit_loco.methods.base import MergeMethod, check_fraction
 
 
 def keep_magnitude_band(delta: torch.Tensor, density: float, gamma: float) -> torch.Tensor:
@@ -46,5 +45,8 @@ class Breadcrumbs(MergeMethod):
         check_fraction(self.name, "density", self.density, low_open=True, high_open=False)
         check_fraction(self.name, "gamma", self.gamma, low_open=False, high_open=True)
 
-    def merge_tensor(self, name: str, deltas: Sequence[torch.Tensor]) -> torch.Tensor:
-        return mean_of([keep_magnitude_band(d, self.density, self.gamma) for d in deltas])
+    def local_term(self, name: str, delta: torch.Tensor, worker_index: int) -> torch.Tensor:
+        return keep_magnitude_band(delta, self.density, self.gamma)
+
+    def finish(self, name: str, total: torch.Tensor, workers: int) -> torch.Tensor:
+        return total.div_(workers)

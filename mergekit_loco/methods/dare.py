@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from mergekit_loco.methods.base import MergeMethod, check_fraction, mean_of
+from mergekit_loco.methods.base import MergeMethod, check_fraction
 
 
 def drop_and_rescale(delta: torch.Tensor, density: float, generator: torch.Generator):
@@ -39,5 +39,12 @@ class Dare(MergeMethod):
         generator.manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()) + task_index)
         return drop_and_rescale(delta, self.density, generator)
 
-    def merge_tensor(self, name: str, deltas: Sequence[torch.Tensor]) -> torch.Tensor:
-        return mean_of([self.drop(name, delta, index) for index, delta in enumerate(deltas)])
+    def local_term(self, name: str, delta: torch.Tensor, worker_index: int) -> torch.Tensor:
+        return self.drop(name, delta, worker_index)
+
+    def finish(self, name: str, total: torch.Tensor, workers: int) -> torch.Tensor:
+        return total.div_(workers)
+
+    def as_aggregator(self, round_index: int, workers: int) -> Dare:
+        """Fresh masks every outer step: seed ``seed + round_index``."""
+        return dataclasses.replace(self, seed=self.seed + round_index)

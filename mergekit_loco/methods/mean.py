@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from mergekit_loco.methods.base import MergeMethod, mean_of
+from mergekit_loco.methods.base import MergeMethod
 
 
 @dataclass(frozen=True)
@@ -17,5 +16,8 @@ class Mean(MergeMethod):
     name = "mean"
     needs_base = False
 
-    def merge_tensor(self, name: str, deltas: Sequence[torch.Tensor]) -> torch.Tensor:
-        return mean_of(deltas)
+    def local_term(self, name: str, delta: torch.Tensor, worker_index: int) -> torch.Tensor:
+        return delta
+
+    def finish(self, name: str, total: torch.Tensor, workers: int) -> torch.Tensor:
+        return total.div_(workers)

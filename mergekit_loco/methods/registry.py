@@ -5,7 +5,8 @@ from __future__ import annotations
 from mergekit_loco.methods.base import MergeMethod
 from mergekit_loco.methods.breadcrumbs import Breadcrumbs
 from mergekit_loco.methods.dare import Dare
-from mergekit_loco.methods.iso import IsoC, IsoCts
+from mergekit_loco.methods.iso import IsoC
+from mergekit_loco.methods.iso_cts import IsoCts
 from mergekit_loco.methods.mean import Mean
 from mergekit_loco.methods.ta import TaskArithmetic
 from mergekit_loco.methods.ties import Ties
