@@ -16,7 +16,7 @@ from rich.table import Table
 from mergekit_loco.cli.common import Debug, Quiet, format_bytes, parse_choice, user_errors
 from mergekit_loco.io import DEFAULT_MAX_SHARD_BYTES
 from mergekit_loco.merge import MergeSummary, merge_checkpoints
-from mergekit_loco.methods import METHODS, list_methods
+from mergekit_loco.methods import METHODS, list_methods, parse_options
 
 OUTPUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 COMPUTE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -79,6 +79,10 @@ def merge(
         bool, typer.Option("--rank-aware", help="iso-c: keep only non-zero singular directions.")
     ] = False,
     seed: Annotated[int | None, typer.Option(help="dare: seed of the drop masks.")] = None,
+    option: Annotated[
+        list[str] | None,
+        typer.Option(help="Any method parameter as KEY=VALUE (repeatable): --option density=0.3."),
+    ] = None,
     dtype: Annotated[
         str | None,
         typer.Option(help="Output dtype: float32, bfloat16 or float16 (default: the base's)."),
@@ -103,6 +107,11 @@ def merge(
         "seed": seed,
         "rank_aware": rank_aware or None,
     }
+    given = {name: value for name, value in given.items() if value is not None}
+    for key, value in parse_options(method, option or []).items():
+        if key in given:
+            raise ValueError(f"--option {key}={value}: {key!r} is also given as a flag")
+        given[key] = value
     summary = merge_checkpoints(
         models,
         base,
@@ -115,7 +124,7 @@ def merge(
         force=force,
         progress=not quiet,
         max_shard_bytes=parse_size(shard_size),
-        **{name: value for name, value in given.items() if value is not None},
+        **given,
     )
     if not quiet:
         print_summary(summary)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import typing
+from collections.abc import Sequence
+
 from mergekit_loco.methods.base import MergeMethod
 from mergekit_loco.methods.breadcrumbs import Breadcrumbs
 from mergekit_loco.methods.dare import Dare
@@ -19,6 +22,47 @@ METHODS: dict[str, type[MergeMethod]] = {
 
 def list_methods() -> list[str]:
     return list(METHODS)
+
+
+def parse_options(name: str, pairs: Sequence[str]) -> dict[str, object]:
+    """``["density=0.3", "seed=2"]`` -> ``{"density": 0.3, "seed": 2}`` for method ``name``: each
+    value parsed to the type of the method's field (bool: true/false, 1/0, yes/no).
+
+    Raises ``ValueError`` naming the ``--option`` at fault: no ``=``, a key the method does not
+    take, a value that does not parse, a key given twice.
+    """
+    if name not in METHODS:
+        raise ValueError(f"unknown merge method {name!r}; choose one of {', '.join(METHODS)}")
+    types = typing.get_type_hints(METHODS[name])
+    accepted = METHODS[name].parameter_names()
+    options: dict[str, object] = {}
+    for pair in pairs:
+        key, equals, text = pair.partition("=")
+        key = key.strip().replace("-", "_")
+        if not equals or not key:
+            raise ValueError(f"--option {pair!r}: expected KEY=VALUE, e.g. density=0.3")
+        if key not in accepted:
+            takes = ", ".join(accepted) if accepted else "no parameters"
+            raise ValueError(f"--option {pair!r}: method {name!r} does not take {key!r} ({takes})")
+        if key in options:
+            raise ValueError(f"--option {pair!r}: {key!r} is given twice")
+        options[key] = _parse_value(pair, text.strip(), types[key])
+    return options
+
+
+def _parse_value(pair: str, text: str, kind: type) -> object:
+    if kind is bool:
+        if text.lower() not in _BOOLEANS:
+            raise ValueError(f"--option {pair!r}: {text!r} is not true or false")
+        return _BOOLEANS[text.lower()]
+    try:
+        return kind(text)
+    except ValueError:
+        raise ValueError(f"--option {pair!r}: {text!r} is not {_KINDS[kind]}") from None
+
+
+_KINDS = {int: "an integer", float: "a number", str: "a string"}
+_BOOLEANS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
 def get_method(name: str, **params) -> MergeMethod:
