@@ -29,9 +29,9 @@ import torch.distributed as dist
 
 from mergekit_loco.dist.checks import check_same_layout, verify_identical
 from mergekit_loco.dist.codec import Codec
-from mergekit_loco.dist.transport import CommStats, Transport
+from mergekit_loco.dist.transport import CommStats, Transport, assign_owners
 from mergekit_loco.methods import MergeMethod
-from mergekit_loco.methods.plan import Collectives, Layout, Plan, Widths, stack_sum, templates
+from mergekit_loco.methods.plan import Collectives, Layout, Plan, Pricing, stack_sum, templates
 from mergekit_loco.task_vector import TaskVector
 
 #: set to 1 to check the worker layout before and the merged checksums after every call.
@@ -65,12 +65,12 @@ def sum_plan(method: MergeMethod) -> Plan:
                 finished.append(method.finish(name, total, workers).to(dtype))
         return comm.from_owners(finished, templates(local, names), owners)
 
-    def cost(layout: Layout, workers_per_rank: int, world: int, widths: Widths) -> float:
+    def cost(layout: Layout, workers_per_rank: int, world: int, pricing: Pricing) -> float:
         """``2 (P-1) N b`` (ring all-reduce); owner-finished: ``(P-1) N (b_term + b)``."""
         total = 0.0
         for _, shape, dtype in layout:
-            term_width = widths.width(method.term_dtype(shape, dtype))
-            result_width = widths.width(dtype) if method.finish_on_owner else term_width
+            term_width = pricing.width(method.term_dtype(shape, dtype))
+            result_width = pricing.width(dtype) if method.finish_on_owner else term_width
             total += math.prod(shape) * (term_width + result_width)
         return (world - 1) * total
 
@@ -94,9 +94,9 @@ def owner_plan(method: MergeMethod) -> Plan:
             merged.append(result.to(local[0][name].dtype))
         return comm.from_owners(merged, templates(local, names), owners)
 
-    def cost(layout: Layout, workers_per_rank: int, world: int, widths: Widths) -> float:
+    def cost(layout: Layout, workers_per_rank: int, world: int, pricing: Pricing) -> float:
         """``(P-1) (V + 1) N b``: V deltas to the owner, the result back."""
-        entries = sum(math.prod(shape) * widths.width(dtype) for _, shape, dtype in layout)
+        entries = sum(math.prod(shape) * pricing.width(dtype) for _, shape, dtype in layout)
         return (world - 1) * (workers_per_rank + 1) * entries
 
     return Plan("owner", run, cost)
@@ -122,7 +122,22 @@ def plan_bytes(
     if plan == "gather":
         entries = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in layout)
         return (world - 1) * world * workers_per_rank * entries
-    return available_plans(method)[plan].cost(layout, workers_per_rank, world, Codec(compression))
+    pricing = Prices(Codec(compression), world)
+    return available_plans(method)[plan].cost(layout, workers_per_rank, world, pricing)
+
+
+class Prices:
+    """:class:`~mergekit_loco.methods.plan.Pricing` without a process group: the codec's widths
+    and the owners ``world`` ranks would pick."""
+
+    def __init__(self, codec: Codec, world: int):
+        self.codec, self.world, self.compression = codec, world, codec.compression
+
+    def width(self, dtype: torch.dtype) -> float:
+        return self.codec.width(dtype)
+
+    def owners(self, shapes) -> list[int]:
+        return assign_owners(shapes, self.world)
 
 
 def cheapest_plan(

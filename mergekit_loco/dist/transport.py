@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from mergekit_loco.dist.codec import Codec, by_dtype, flatten, unflatten
+from mergekit_loco.methods.plan import piece, relayed
 
 
 @dataclass
@@ -176,27 +177,54 @@ class Transport:
         owned: Sequence[torch.Tensor | None],
         templates: Sequence[tuple[torch.Size, torch.dtype]],
         owners: Sequence[int],
+        balance: bool = False,
     ) -> list[torch.Tensor]:
         """Every rank gets tensor j (shape, dtype = ``templates[j]``) from rank ``owners[j]``,
         which passes it in ``owned[j]`` (an all-gather). The owner keeps the copy that travelled
-        (encoded, decoded), so every rank holds the same bits."""
+        (encoded, decoded), so every rank holds the same bits. ``balance``: relay the payloads
+        (:func:`~mergekit_loco.methods.plan.relayed`) when that lowers the most a rank sends."""
         shared: list[torch.Tensor] = [None] * len(templates)  # type: ignore[list-item]
         for dtype, indices in by_dtype([dtype for _, dtype in templates]):
             per_rank = [[i for i in indices if owners[i] == q] for q in range(self.world)]
             shapes = [[templates[i][0] for i in group] for group in per_rank]
             payload = self.codec.pack([owned[i] for i in per_rank[self.rank]], dtype)
-            empty = payload[:0]
-            segments = [empty if q == self.rank else payload for q in range(self.world)]
-            recv_numels = [
-                0 if q == self.rank else self.codec.packed_numel(shapes[q], dtype)
-                for q in range(self.world)
-            ]
-            pieces = self._all_to_all("from_owners", segments, recv_numels, payload.dtype)
-            for q, piece in enumerate(pieces):
-                unpacked = self.codec.unpack(payload if q == self.rank else piece, shapes[q], dtype)
+            lengths = [self.codec.packed_numel(shapes[q], dtype) for q in range(self.world)]
+            if balance and relayed(lengths, self.world):
+                payloads = self._relay(payload, lengths)
+            else:
+                payloads = self._direct(payload, lengths)
+            for q, shape_group in enumerate(shapes):
+                unpacked = self.codec.unpack(payloads[q], shape_group, dtype)
                 for i, tensor in zip(per_rank[q], unpacked, strict=True):
                     shared[i] = tensor
         return shared
+
+    def _direct(self, payload: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
+        """Owner q's payload (``lengths[q]`` entries) from q to every rank."""
+        segments = [payload[:0] if q == self.rank else payload for q in range(self.world)]
+        recv = [0 if q == self.rank else lengths[q] for q in range(self.world)]
+        received = self._all_to_all("from_owners", segments, recv, payload.dtype)
+        return [payload if q == self.rank else received[q] for q in range(self.world)]
+
+    def _relay(self, payload: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
+        """The same by relay: piece i of each owner's payload to rank i, then every rank's
+        pieces to all the others (per rank about ``(P-1)/P`` of all payloads, not ``(P-1)``
+        times its own)."""
+        world, rank = self.world, self.rank
+        pieces = list(payload.tensor_split(world))
+        segments = [payload[:0] if q == rank else pieces[q] for q in range(world)]
+        recv = [0 if q == rank else piece(lengths[q], rank, world) for q in range(world)]
+        received = self._all_to_all("from_owners", segments, recv, payload.dtype)
+        held = [pieces[rank] if q == rank else received[q] for q in range(world)]
+        bundle = torch.cat(held)
+        recv = [0 if q == rank else sum(piece(n, q, world) for n in lengths) for q in range(world)]
+        segments = [bundle[:0] if q == rank else bundle for q in range(world)]
+        bundles = self._all_to_all("from_owners", segments, recv, payload.dtype)
+        by_holder = [
+            held if q == rank else list(bundles[q].split([piece(n, q, world) for n in lengths]))
+            for q in range(world)
+        ]
+        return [torch.cat([by_holder[q][o] for q in range(world)]) for o in range(world)]
 
 
 def spectral_cost(shape: Sequence[int]) -> int:

@@ -20,7 +20,14 @@ from mergekit_loco.methods.base import (
 )
 from mergekit_loco.methods.iso import check_spectral
 from mergekit_loco.methods.isometry import compact, compact_length, expand
-from mergekit_loco.methods.plan import Collectives, Layout, Plan, Widths, stack_sum
+from mergekit_loco.methods.plan import (
+    Collectives,
+    Layout,
+    Plan,
+    Pricing,
+    delivery_bytes,
+    stack_sum,
+)
 from mergekit_loco.task_vector import TaskVector
 
 LowRank = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -114,7 +121,7 @@ class IsoCts(MergeMethod):
         return (Plan("low-rank", self.run_low_rank, self.low_rank_bytes),)
 
     # -- the low-rank plan --------------------------------------------------------------------
-    def matrix_route(self, name: str, shape, dtype, workers_per_rank, world, widths) -> str:
+    def matrix_route(self, name: str, shape, dtype, workers_per_rank, world, pricing) -> str:
         """How matrix ``name`` reaches its owner, whichever sends fewer bytes: ``"deltas"`` (the
         V deltas themselves; uncompressed only) or ``"factors"`` (the rank's sum, then the
         common basis back, then the V task factors); non-matrices: ``"sum"``."""
@@ -124,23 +131,23 @@ class IsoCts(MergeMethod):
         common, per_task = split_subspaces(
             name, min(shape), workers_per_rank * world, self.common_fraction
         )
-        svd_width = widths.width(torch.promote_types(dtype, torch.float32))
-        deltas = workers_per_rank * rows * cols * widths.width(dtype)
+        svd_width = pricing.width(torch.promote_types(dtype, torch.float32))
+        deltas = workers_per_rank * rows * cols * pricing.width(dtype)
         factors = rows * cols + rows * basis_columns(shape, common)[0]
         factors += workers_per_rank * per_task * (rows + cols + 1)
         # compressed, raw deltas would be perturbed before the SVDs' truncations: factors only
-        exact = widths.compression is None
+        exact = pricing.compression is None
         return "deltas" if exact and deltas <= factors * svd_width else "factors"
 
-    def delivery(self, shape, dtype, widths) -> tuple[tuple[int, ...], torch.dtype]:
+    def delivery(self, shape, dtype, pricing) -> tuple[tuple[int, ...], torch.dtype]:
         """What the owner sends of a merged matrix: ``(shape, dtype)`` of the matrix, or of its
         compact Householder form (exact spectral, uncompressed, when that is fewer bytes)."""
         svd_dtype = torch.promote_types(dtype, torch.float32)
         length = compact_length(shape)
         if (
             self.spectral == "exact"
-            and widths.compression is None
-            and length * widths.width(svd_dtype) < math.prod(shape) * widths.width(dtype)
+            and pricing.compression is None
+            and length * pricing.width(svd_dtype) < math.prod(shape) * pricing.width(dtype)
         ):
             return (length,), svd_dtype
         return tuple(shape), dtype
@@ -230,37 +237,37 @@ class IsoCts(MergeMethod):
                     scale, orthogonal = part
                     packed = deliveries[j][0] != tuple(shapes[j])
                     merged[j] = compact(scale, orthogonal) if packed else scale * orthogonal
-        arrived = comm.from_owners(merged, deliveries, owners)
+        arrived = comm.from_owners(merged, deliveries, owners, balance=True)
         return [
             expand(got, tuple(shape)).to(dtype) if delivery[0] != tuple(shape) else got
             for got, shape, dtype, delivery in zip(arrived, shapes, dtypes, deliveries, strict=True)
         ]
 
     def low_rank_bytes(
-        self, layout: Layout, workers_per_rank: int, world: int, widths: Widths
+        self, layout: Layout, workers_per_rank: int, world: int, pricing: Pricing
     ) -> float:
-        """All ranks together, ``(P-1)`` times, per matrix: the cheaper route (``V m n b`` or
-        ``(m n + m c + V p (m+n+1)) b'``, c the basis width) plus the delivery (``m n b`` or
-        the compact ``(m n - d (d - 3) / 2 + 1) b'``); per non-matrix ``2 N b``."""
+        """All ranks together, ``(P-1)`` times, per matrix the cheaper route: ``V m n b`` or
+        ``(m n + m c + V p (m+n+1)) b'`` (c: the basis width); per non-matrix ``N b``; plus
+        delivering the results (:meth:`delivery`, relayed if that balances the ranks)."""
         workers = workers_per_rank * world
         total = 0.0
         for name, shape, dtype in layout:
-            if len(shape) != 2:
-                total += 2 * math.prod(shape) * widths.width(dtype)
+            route = self.matrix_route(name, shape, dtype, workers_per_rank, world, pricing)
+            if route != "factors":
+                copies = workers_per_rank if route == "deltas" else 1
+                total += copies * math.prod(shape) * pricing.width(dtype)
                 continue
             rows, cols = shape
-            svd_width = widths.width(torch.promote_types(dtype, torch.float32))
-            route = self.matrix_route(name, shape, dtype, workers_per_rank, world, widths)
-            if route == "deltas":
-                total += workers_per_rank * rows * cols * widths.width(dtype)
-            else:
-                common, per_task = split_subspaces(name, min(shape), workers, self.common_fraction)
-                entries = rows * cols + rows * basis_columns(shape, common)[0]
-                entries += workers_per_rank * per_task * (rows + cols + 1)
-                total += entries * svd_width
-            delivered_shape, delivered_dtype = self.delivery(shape, dtype, widths)
-            total += math.prod(delivered_shape) * widths.width(delivered_dtype)
-        return (world - 1) * total
+            common, per_task = split_subspaces(name, min(shape), workers, self.common_fraction)
+            entries = rows * cols + rows * basis_columns(shape, common)[0]
+            entries += workers_per_rank * per_task * (rows + cols + 1)
+            total += entries * pricing.width(torch.promote_types(dtype, torch.float32))
+        deliveries = [
+            self.delivery(shape, dtype, pricing) if len(shape) == 2 else (tuple(shape), dtype)
+            for _, shape, dtype in layout
+        ]
+        owners = pricing.owners([shape for _, shape, _ in layout])
+        return (world - 1) * total + delivery_bytes(deliveries, owners, world, pricing, True)
 
 
 def basis_columns(shape, common: int) -> tuple[int, bool]:

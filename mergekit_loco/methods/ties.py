@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from mergekit_loco.methods.base import MergeMethod, check_fraction, sum_of
-from mergekit_loco.methods.plan import Collectives, Layout, Plan, Widths
+from mergekit_loco.methods.plan import Collectives, Layout, Plan, Pricing
 from mergekit_loco.task_vector import TaskVector
 
 
@@ -118,10 +118,10 @@ def count_dtype_for(workers: int) -> torch.dtype:
     return torch.uint8 if workers <= 255 else torch.int32
 
 
-def two_sums_bytes(layout: Layout, workers_per_rank: int, world: int, widths: Widths) -> float:
+def two_sums_bytes(layout: Layout, workers_per_rank: int, world: int, pricing: Pricing) -> float:
     """Two ring all-reduces: ``2 (P-1) N (2 b + c)`` over all ranks (c: count bytes)."""
     count_bytes = count_dtype_for(workers_per_rank * world).itemsize
     entries = sum(
-        math.prod(shape) * (2 * widths.width(dtype) + count_bytes) for _, shape, dtype in layout
+        math.prod(shape) * (2 * pricing.width(dtype) + count_bytes) for _, shape, dtype in layout
     )
     return 2 * (world - 1) * entries

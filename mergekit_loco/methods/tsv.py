@@ -10,7 +10,15 @@ import torch
 
 from mergekit_loco.linalg import polar_factor, thin_svd
 from mergekit_loco.methods.base import MergeMethod, in_svd_precision, is_matrix, mean_of
-from mergekit_loco.methods.plan import Collectives, Layout, Plan, Widths, stack_sum, templates
+from mergekit_loco.methods.plan import (
+    Collectives,
+    Layout,
+    Plan,
+    Pricing,
+    delivery_bytes,
+    stack_sum,
+    templates,
+)
 from mergekit_loco.task_vector import TaskVector
 
 LowRank = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -101,21 +109,23 @@ class Tsv(MergeMethod):
                 ]
                 with comm.spectral():
                     merged.append(orthogonalised_sum(factors).to(local[0][name].dtype))
-        return comm.from_owners(merged, templates(local, names), owners)
+        return comm.from_owners(merged, templates(local, names), owners, balance=True)
 
 
-def low_rank_bytes(layout: Layout, workers_per_rank: int, world: int, widths: Widths) -> float:
-    """All ranks together: ``(P-1) [V r (m+n+1) b' + m n b]`` per matrix (b': factor bytes,
-    float32 at least), ``2 (P-1) N b`` per non-matrix."""
+def low_rank_bytes(layout: Layout, workers_per_rank: int, world: int, pricing: Pricing) -> float:
+    """All ranks together: ``(P-1) V r (m+n+1) b'`` per matrix (b': factor bytes, float32 at
+    least), ``(P-1) N b`` per non-matrix, plus delivering the results (``(P-1) N b``, more if
+    relayed: :func:`~mergekit_loco.methods.plan.delivery_bytes`)."""
     workers = workers_per_rank * world
     total = 0.0
     for name, shape, dtype in layout:
         if len(shape) != 2:
-            total += 2 * math.prod(shape) * widths.width(dtype)
+            total += (world - 1) * math.prod(shape) * pricing.width(dtype)
             continue
         rows, cols = shape
-        factor_width = widths.width(torch.promote_types(dtype, torch.float32))
+        factor_width = pricing.width(torch.promote_types(dtype, torch.float32))
         rank = tsv_rank(name, shape, workers)
-        total += workers_per_rank * rank * (rows + cols + 1) * factor_width
-        total += rows * cols * widths.width(dtype)
-    return (world - 1) * total
+        total += (world - 1) * workers_per_rank * rank * (rows + cols + 1) * factor_width
+    results = [(shape, dtype) for _, shape, dtype in layout]
+    owners = pricing.owners([shape for shape, _ in results])
+    return total + delivery_bytes(results, owners, world, pricing, balance=True)
