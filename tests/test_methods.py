@@ -669,4 +669,4 @@ def test_every_python_example_in_the_methods_doc_runs():
     blocks = re.findall(r"```python\n(.*?)```", DOCS.read_text(), flags=re.DOTALL)
     assert blocks, "docs/methods.md has no python example"
     for block in blocks:
-        exec(compile(block, str(DOCS), "exec"), {"__name__": "docs_example"})
+        exec(compile(block, str(DOCS), "exec", dont_inherit=True), {"__name__": "docs_example"})
