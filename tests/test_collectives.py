@@ -193,6 +193,19 @@ def check_all_methods(rank: int, world: int, store: str) -> None:
         assert relayed == (world == 4)  # the 40 x 12 embedding is 35% of the model
         extra = sum(owned[q] - pieces[q][q] for q in range(world)) if relayed else 0
         assert sum(everyone(tsv_stats.bytes_sent)) == ((world - 1) * entries + extra) * width
+        if world == 2 and dtype == torch.float64:
+            # Iso-CTS's low-rank plan, written out (P = 2, V = 2, R = 4, float64): d = 12 gives
+            # k = 8, p = 1; d = 16 gives k = 12, p = 1. Per matrix the cheaper route, deltas
+            # (V m n) or factors (m n sum + m c basis + V p (m+n+1)), c = m - k when m <= n and
+            # m - k < k (the complement) else k; then the compact result m n - d (d-3)/2 + 1.
+            # embed 40x12: 480 + 40*8 + 2*53 = 906 < 960; result 480 - 54 + 1 = 427
+            # q 16x16: 256 + 16*4 + 2*33 = 386 < 512; result 256 - 104 + 1 = 153
+            # up 24x12: 288 + 24*8 + 2*37 = 554 < 576; result 288 - 54 + 1 = 235
+            # down 12x24 (complement): 288 + 12*4 + 2*37 = 410 < 576; result 235
+            # vectors (16 + 24 + 24 entries): reduced and delivered, 2 * 64
+            _, cts_stats = merge_across_ranks(get_method("iso-cts"), local, plan="low-rank")
+            entries = 906 + 427 + 386 + 153 + 554 + 235 + 410 + 235 + 128
+            assert sum(everyone(cts_stats.bytes_sent)) == entries * width
         # the naive reference is exact and sends (P-1) V N bytes
         reference, reference_stats = gather_then_merge(get_method("tsv"), local)
         assert_close(reference, get_method("tsv").merge(deltas), TOLERANCE[dtype], "gather")

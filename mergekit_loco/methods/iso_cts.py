@@ -183,8 +183,9 @@ class IsoCts(MergeMethod):
         merged: list = [None] * len(names)
         shared: dict[int, LowRank] = {}
         bases: dict[int, torch.Tensor] = {}
+        first = comm.to_owners(parcels, owners)
         with comm.spectral():
-            for j, copies in enumerate(comm.to_owners(parcels, owners)):
+            for j, copies in enumerate(first):
                 if copies is None:
                     continue
                 if routes[j] == "sum":
