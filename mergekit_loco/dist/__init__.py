@@ -11,11 +11,18 @@ from mergekit_loco.dist.merge import (
     modelled_comm_stats,
     plan_bytes,
 )
-from mergekit_loco.dist.transport import CommStats, Transport, assign_owners, guarded
+from mergekit_loco.dist.transport import (
+    CollectiveFailed,
+    CommStats,
+    Transport,
+    assign_owners,
+    guarded,
+)
 
 __all__ = [
     "COMPRESSIONS",
     "Codec",
+    "CollectiveFailed",
     "CommStats",
     "Transport",
     "assign_owners",

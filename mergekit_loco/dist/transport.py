@@ -248,9 +248,13 @@ def assign_owners(shapes: Sequence[Sequence[int]], world: int) -> list[int]:
 
 
 
+class CollectiveFailed(RuntimeError):
+    """A collective failed or timed out: a peer rank died, hung or is unreachable."""
+
+
 def guarded(rank: int, op: str, collective: Callable, *args, **kwargs):
     """``collective(*args, **kwargs)``; a failure (a dead or hung peer, the process group's
-    timeout) becomes a RuntimeError naming this rank, the step and how long it waited."""
+    timeout) becomes :class:`CollectiveFailed` naming this rank, the step and the wait."""
     start = time.perf_counter()
     try:
         return collective(*args, **kwargs)
@@ -258,7 +262,7 @@ def guarded(rank: int, op: str, collective: Callable, *args, **kwargs):
         waited = time.perf_counter() - start
         text = str(error).strip()
         cause = text.splitlines()[0] if text else type(error).__name__
-        raise RuntimeError(
+        raise CollectiveFailed(
             f"rank {rank}: outer step collective {op} timed out or failed after {waited:.1f}s — "
             "a peer rank likely died or hung (the timeout is the one given to "
             f"init_process_group); cause: {cause}"
