@@ -113,6 +113,26 @@ def test_toy_method_through_the_cli_with_option(registered, tmp_path, capsys):
 
 
 # -- --option KEY=VALUE -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Weighted(MergeMethod):
+    """Fields of the shapes a method may grow: optional and tuple-valued."""
+
+    name = "weighted"
+    weights: tuple[float, ...] | None = None
+    limit: int | None = None
+
+
+def test_optional_and_tuple_fields_parse(monkeypatch):
+    monkeypatch.setitem(METHODS, Weighted.name, Weighted)
+    assert parse_options("weighted", ["weights=0.5, 2", "limit=none"]) == {
+        "weights": (0.5, 2.0),
+        "limit": None,
+    }
+    assert parse_options("weighted", ["limit=3"]) == {"limit": 3}
+    with pytest.raises(ValueError, match="'x' is not a number"):
+        parse_options("weighted", ["weights=1,x"])
+
+
 def test_options_are_parsed_to_the_field_types():
     assert parse_options("dare", ["density=0.5", "seed=3"]) == {"density": 0.5, "seed": 3}
     assert parse_options("iso-c", ["rank-aware=yes", "spectral=ns"]) == {

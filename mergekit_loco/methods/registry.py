@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import types
 import typing
 from collections.abc import Sequence
 
@@ -50,11 +51,20 @@ def parse_options(name: str, pairs: Sequence[str]) -> dict[str, object]:
     return options
 
 
-def _parse_value(pair: str, text: str, kind: type) -> object:
+def _parse_value(pair: str, text: str, kind) -> object:
+    """``text`` as a ``kind``: bool, int, float, str, ``X | None`` ("none" is None) or a tuple
+    of one of them (comma-separated)."""
+    arguments = [a for a in typing.get_args(kind) if a is not type(None)]
+    if typing.get_origin(kind) in (typing.Union, types.UnionType) and len(arguments) == 1:
+        return None if text.lower() == "none" else _parse_value(pair, text, arguments[0])
+    if typing.get_origin(kind) is tuple and arguments:
+        return tuple(_parse_value(pair, item.strip(), arguments[0]) for item in text.split(","))
     if kind is bool:
         if text.lower() not in _BOOLEANS:
             raise ValueError(f"--option {pair!r}: {text!r} is not true or false")
         return _BOOLEANS[text.lower()]
+    if kind not in _KINDS:
+        raise ValueError(f"--option {pair!r}: a {kind} cannot be given as KEY=VALUE")
     try:
         return kind(text)
     except ValueError:
