@@ -55,20 +55,20 @@ def plain_adamw_tokens_per_second(config, steps: int, clock) -> float:
     """A bare single-model loop with the inner step's work: forward, backward, clip, AdamW,
     schedule; the same model, seed and per-worker batch shape as a DiLoCo worker
     (``steps`` at most R * H * rounds)."""
-    device = resolve_device(config.device)
+    device = resolve_device(config.run.device)
     data = prepare_data(
-        config.data,
+        config.data.source,
         max_train_tokens=config.total_rounds() * config.tokens_per_round(),
-        val_tokens=config.val_tokens,
-        vocab_size=config.vocab_size,
-        seed=config.seed,
+        val_tokens=config.data.val_tokens,
+        vocab_size=config.data.vocab_size,
+        seed=config.run.seed,
     )
-    spec = model_config(config.model, len(data.tokenizer), eos_id=data.eos_id)
-    model = build_model(spec, config.seed).to(device).train()
+    spec = model_config(config.model.name, len(data.tokenizer), eos_id=data.eos_id)
+    model = build_model(spec, config.run.seed).to(device).train()
     optimizer = InnerOptimizer(model, config, steps + 1)
-    stream = BatchStream(data.train, config.seq_len)  # the run's tokens, batches of one worker
+    stream = BatchStream(data.train, config.data.seq_len)  # the run's tokens, batches of one worker
     with torch.no_grad():
-        model(input_ids=data.train[None, : config.seq_len].to(device))  # warm-up
+        model(input_ids=data.train[None, : config.data.seq_len].to(device))  # warm-up
     synchronize(device)
     start = clock()
     for _ in range(steps):
@@ -76,10 +76,10 @@ def plain_adamw_tokens_per_second(config, steps: int, clock) -> float:
         with autocast(device):
             loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.inner.grad_clip)
         optimizer.step()
     synchronize(device)
-    return steps * config.worker_batch * config.seq_len / (clock() - start)
+    return steps * config.worker_batch * config.data.seq_len / (clock() - start)
 
 
 def diloco_run(config) -> tuple[float, float, float]:
@@ -87,7 +87,7 @@ def diloco_run(config) -> tuple[float, float, float]:
     train(config, progress=False)
     rounds = [
         event
-        for event in map(json.loads, (Path(config.out) / "metrics.jsonl").open())
+        for event in map(json.loads, (Path(config.run.out) / "metrics.jsonl").open())
         if event["event"] == "round"
     ]
     round_seconds = sum(event["round_seconds"] for event in rounds)

@@ -75,12 +75,13 @@ def test_plan_is_flop_matched():
     assert len({cell.name for cell in cells}) == len(cells)
     configs = [cell_config(sweep, cell, Path("unused")) for cell in cells]
     assert {trained_tokens(c) for c in configs} == {4 * 4 * 32 * 4}
-    assert {c.global_batch for c in configs} == {4}
+    assert {c.data.global_batch for c in configs} == {4}
     for cell, config in zip(cells, configs, strict=True):
-        assert config.preset == cell.aggregator and config.seed == cell.seed
-        assert config.worker_batch * config.workers == config.global_batch
-    baseline = [c for c in configs if c.preset == "dp"]
-    assert [c.mode for c in baseline] == ["dp", "dp"] and {c.workers for c in baseline} == {1}
+        assert config.run.preset == cell.aggregator and config.run.seed == cell.seed
+        assert config.worker_batch * config.run.workers == config.data.global_batch
+    baseline = [c for c in configs if c.run.preset == "dp"]
+    assert [c.run.mode for c in baseline] == ["dp", "dp"]
+    assert {c.run.workers for c in baseline} == {1}
 
 
 def test_plan_refuses_unmatched_budgets_and_bad_splits():
@@ -106,7 +107,7 @@ def test_outer_lr_grid_multipliers_and_absolute_values():
                    ("isoloco", None)}  # fmt: skip
     named = [c for c in plan(sweep) if c.outer_lr == 1.4][0]
     assert named.name == "diloco-R2-H2-lr1.4-s0"
-    assert cell_config(sweep, named, Path("x")).outer_lr == 1.4
+    assert cell_config(sweep, named, Path("x")).outer.lr == 1.4
     for bad in (["0,1"], ["a,b"], ["1", "2"]):
         with pytest.raises(ValueError, match="--outer-lr-grid"):
             Grid.parse(bad)
@@ -130,7 +131,7 @@ def test_outer_momentum_grid_applies_to_presets_with_momentum():
     named = next(c for c in cells if (c.outer_lr, c.outer_momentum, c.seed) == (1.4, 0.95, 5))
     assert named.name == "diloco-R2-H2-lr1.4-m0.95-s5"
     config = cell_config(sweep, named, Path("x"))
-    assert (config.outer_lr, config.outer_momentum, config.nesterov) == (1.4, 0.95, True)
+    assert (config.outer.lr, config.outer.momentum, config.outer.nesterov) == (1.4, 0.95, True)
     for bad in (["1.2"], ["0,0.5"]):
         with pytest.raises(ValueError, match="--outer-momentum-grid"):
             Grid.parse(bad, option="--outer-momentum-grid", relative=False)
@@ -162,7 +163,7 @@ def test_stopped_sweep_resumes_and_never_reruns_finished_cells(tmp_path, domains
     calls = []
 
     def counting_train(config, progress=True):
-        calls.append((Path(config.out).name, config.resume))
+        calls.append((Path(config.run.out).name, config.checkpoint.resume))
         return train(config, progress=False)
 
     monkeypatch.setattr(sweeping, "train", counting_train)
@@ -203,9 +204,9 @@ def test_failed_cells_are_recorded_not_raised(tmp_path, monkeypatch):
               "iso-cts": torch.linalg.LinAlgError("linalg.svd: failed to converge")}  # fmt: skip
 
     def failing_train(config, progress=True):
-        Path(config.out).mkdir(parents=True)
-        (Path(config.out) / "config.json").write_text(json.dumps(config.to_dict()))
-        raise errors[config.preset]
+        Path(config.run.out).mkdir(parents=True)
+        (Path(config.run.out) / "config.json").write_text(json.dumps(config.to_dict()))
+        raise errors[config.run.preset]
 
     monkeypatch.setattr(sweeping, "train", failing_train)
     sweep = Sweep(["diloco", "iso-cts"], [2], inner_steps=[2], baseline=False,

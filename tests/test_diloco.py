@@ -167,8 +167,12 @@ def test_bad_arguments_name_the_fault():
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="'nope', which is not a parameter"):
         ml.DiLoCo(model, inner, torch.optim.SGD([model.weight], lr=1.0), exclude=["nope"])
-    with pytest.raises(ValueError, match="outer_optimizer holds a tensor that is not"):
+    with pytest.raises(ValueError, match="outer_optimizer holds a tensor that is not a param"):
         ml.DiLoCo(model, inner, torch.optim.SGD(model.parameters(), lr=1.0), exclude=["skip"])
+    with pytest.raises(ValueError, match="outer_optimizer holds a tensor that is not a param"):
+        ml.DiLoCo(model, inner, torch.optim.SGD([torch.zeros(2, requires_grad=True)], lr=1.0))
+    frozen_included = [model.weight, model.bias, model.frozen]  # frozen: never stepped
+    ml.DiLoCo(model, inner, torch.optim.SGD(frozen_included, lr=1.0), exclude=["skip"])
     with pytest.raises(ValueError, match="sync_every must be >= 1"):
         ml.DiLoCo(model, inner, torch.optim.SGD([model.weight], lr=1.0), sync_every=0)
     with pytest.raises(ValueError, match="does not take 'densty'"):

@@ -285,9 +285,7 @@ def test_signal_between_rounds_first_checkpoints_the_completed_round(
     )
     assert checkpoint_names(tmp_path) == ["latest", "round-000002"]
     monkeypatch.setattr(loop, "check_not_exploded", real_check)
-    assert train(dataclasses.replace(config, resume=True), progress=False).checksum == (
-        reference.checksum
-    )
+    assert train(config.replace(resume=True), progress=False).checksum == (reference.checksum)
 
 
 def test_signal_before_any_checkpoint_says_resume_is_impossible(corpus, tmp_path, monkeypatch):
@@ -300,7 +298,7 @@ def test_signal_before_any_checkpoint_says_resume_is_impossible(corpus, tmp_path
     )
     monkeypatch.undo()
     with pytest.raises(ValueError, match="nothing to resume: .* holds no checkpoint"):
-        train(dataclasses.replace(config, resume=True), progress=False)
+        train(config.replace(resume=True), progress=False)
     assert train(config, progress=False).finished  # starting again needs no --force
 
 
@@ -425,9 +423,7 @@ def test_exploding_pseudo_gradient_stops_before_its_round_is_saved(
     assert latest_checkpoint(tmp_path).name == "round-000002"
     assert rounds_logged(tmp_path) == [1, 2]
     monkeypatch.undo()
-    assert train(dataclasses.replace(config, resume=True), progress=False).checksum == (
-        reference.checksum
-    )
+    assert train(config.replace(resume=True), progress=False).checksum == (reference.checksum)
 
 
 def test_non_finite_pseudo_gradient_keeps_the_last_checkpoint(corpus, tmp_path, monkeypatch):

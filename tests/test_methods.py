@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from mergekit_loco import TaskVector, get_method, list_methods
-from mergekit_loco.methods.iso import split_subspaces
+from mergekit_loco.methods.iso_cts import split_subspaces
 from mergekit_loco.methods.tsv import tsv_rank
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "methods.md"
@@ -499,11 +499,20 @@ def test_rank_aware_iso_c_stays_in_the_column_space_of_the_sum():
 def test_iso_c_aggregator_of_the_mean_equals_iso_c_of_the_sum_over_r():
     workers = random_deltas((8, 6), 4, seed=29)
     iso_c = get_method("iso-c")
-    assert iso_c.aggregates_mean and get_method("iso-cts").aggregates_mean
-    assert not any(get_method(n).aggregates_mean for n in ("mean", "ta", "ties", "dare", "tsv"))
     of_mean = iso_c.merge_tensor("w", [delta / 4 for delta in workers])
     assert_matches(of_mean, reference_iso_c([sum(as_numpy(workers)) / 4]))
     torch.testing.assert_close(of_mean, iso_c.merge_tensor("w", workers) / 4)
+    # as DiLoCo's aggregator, Iso-C and Iso-CTS act on tau / R (matrices only); the others as-is
+    aggregator = iso_c.as_aggregator(round_index=0, workers=4)
+    torch.testing.assert_close(aggregator.merge_tensor("w", workers), of_mean)
+    bias = [delta[0] for delta in workers]  # a non-matrix: the plain mean, not divided again
+    torch.testing.assert_close(aggregator.merge_tensor("b", bias), sum(bias) / 4)
+    cts = get_method("iso-cts").as_aggregator(0, 4)
+    expected = get_method("iso-cts").merge_tensor("w", [delta / 4 for delta in workers])
+    torch.testing.assert_close(cts.merge_tensor("w", workers), expected)
+    for name in ("mean", "ta", "ties", "tsv", "breadcrumbs"):
+        assert get_method(name).as_aggregator(3, 4) == get_method(name)
+    assert get_method("dare", seed=5).as_aggregator(3, 4) == get_method("dare", seed=8)
 
 
 # -- DARE ----------------------------------------------------------------------------------------
@@ -660,4 +669,4 @@ def test_every_python_example_in_the_methods_doc_runs():
     blocks = re.findall(r"```python\n(.*?)```", DOCS.read_text(), flags=re.DOTALL)
     assert blocks, "docs/methods.md has no python example"
     for block in blocks:
-        exec(compile(block, str(DOCS), "exec"), {"__name__": "docs_example"})
+        exec(compile(block, str(DOCS), "exec", dont_inherit=True), {"__name__": "docs_example"})

@@ -120,11 +120,15 @@ def test_bad_model_specs_name_the_problem(tmp_path):
     broken.write_text("{not json")
     with pytest.raises(ValueError, match="broken.json.*not valid JSON"):
         model_config(str(broken), vocab_size=10)
-    gpt2 = tmp_path / "gpt2.json"
-    gpt2.write_text(json.dumps({"model_type": "gpt2"}))
-    with pytest.raises(ValueError, match="model_type 'gpt2'"):
-        model_config(str(gpt2), vocab_size=10)
+    unknown = tmp_path / "unknown.json"
+    unknown.write_text(json.dumps({"model_type": "not-a-model"}))
+    with pytest.raises(ValueError, match="transformers knows no model_type 'not-a-model'"):
+        model_config(str(unknown), vocab_size=10)
+    vision = tmp_path / "vit.json"
+    vision.write_text(json.dumps({"model_type": "vit"}))
+    with pytest.raises(ValueError, match="model_type 'vit' is not a causal language model"):
+        model_config(str(vision), vocab_size=10)
     odd_heads = tmp_path / "odd.json"
     odd_heads.write_text(json.dumps({"hidden_size": 50, "num_attention_heads": 3}))
-    with pytest.raises(ValueError, match=r"model .*odd.json.*invalid Llama config"):
+    with pytest.raises(ValueError, match=r"model .*odd.json.*invalid 'llama' config"):
         model_config(str(odd_heads), vocab_size=10)

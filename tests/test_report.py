@@ -133,6 +133,9 @@ def test_render_refuses_what_it_cannot_read(tmp_path):
         render([tmp_path])
     with pytest.raises(ValueError, match="several folders"):
         render([tmp_path, tmp_path])
+    # a published folder: its results.csv is read (load_runs), never overwritten by a re-render
+    with pytest.raises(FileNotFoundError, match="no runs to re-render"):
+        render([RESULTS / "aggregators"])
 
 
 # -- merge reports --------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -78,13 +78,14 @@ def test_presets_hold_the_tuned_paper_values():
     }
     for preset, values in expected.items():
         config = resolve_config(preset=preset)
-        got = (config.aggregator, config.outer_lr, config.outer_momentum, config.nesterov)
-        assert (*got, config.inner_lr) == values, preset
-    assert resolve_config(preset="isoloco-ns").aggregator_options == {"spectral": "ns"}
-    assert resolve_config(preset="ties").aggregator_options == {"density": 0.9}
-    assert resolve_config(preset="dare").aggregator_options == {"density": 0.9}
+        outer = config.outer
+        got = (outer.aggregator, outer.lr, outer.momentum, outer.nesterov, config.inner.lr)
+        assert got == values, preset
+    assert resolve_config(preset="isoloco-ns").outer.aggregator_options == {"spectral": "ns"}
+    assert resolve_config(preset="ties").outer.aggregator_options == {"density": 0.9}
+    assert resolve_config(preset="dare").outer.aggregator_options == {"density": 0.9}
     dp = resolve_config(preset="dp")
-    assert (dp.mode, dp.inner_lr, dp.weight_decay) == ("dp", 1.95e-3, 0.15)
+    assert (dp.run.mode, dp.inner.lr, dp.inner.weight_decay) == ("dp", 1.95e-3, 0.15)
     assert set(expected) | {"dp"} == set(PRESETS)
 
 
@@ -94,13 +95,13 @@ def test_config_file_then_flags(tmp_path):
         'preset = "ties"\nworkers = 4\nouter-lr = 0.5\n[aggregator_options]\ndensity = 0.5\n'
     )
     config = resolve_config(toml, outer_lr=0.9)
-    assert (config.aggregator, config.workers, config.outer_lr) == ("ties", 4, 0.9)
-    assert config.aggregator_options == {"density": 0.5}
+    assert (config.outer.aggregator, config.run.workers, config.outer.lr) == ("ties", 4, 0.9)
+    assert config.outer.aggregator_options == {"density": 0.5}
     yaml = tmp_path / "run.yaml"
     yaml.write_text("aggregator: iso-c\naggregator_options: {spectral: ns}\nbetas: [0.8, 0.9]\n")
     config = resolve_config(yaml, aggregator_options={"rank_aware": True})
-    assert config.aggregator_options == {"spectral": "ns", "rank_aware": True}
-    assert config.betas == (0.8, 0.9)
+    assert config.outer.aggregator_options == {"spectral": "ns", "rank_aware": True}
+    assert config.inner.betas == (0.8, 0.9)
     # the resolved config survives a round trip through config.json
     assert TrainConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
     (tmp_path / "bad.toml").write_text("wokers = 4\n")
@@ -209,7 +210,7 @@ def test_muon_inner_optimizer_trains(corpus, tmp_path):
 # -- resume ----------------------------------------------------------------------------------------
 def test_stop_then_resume_equals_uninterrupted_run(corpus, tmp_path, reference_run):
     config = tiny_config(corpus, tmp_path, preset="isoloco", checkpoint_every=1, eval_every=2)
-    stopped = train(dataclasses.replace(config, stop_after=2), progress=False)
+    stopped = train(config.replace(stop_after=2), progress=False)
     assert (stopped.finished, stopped.rounds) == (False, 2)
     resumed = train(resolve_config(None, out=str(tmp_path), resume=True), progress=False)
     assert resumed.checksum == reference_run.checksum
@@ -217,6 +218,25 @@ def test_stop_then_resume_equals_uninterrupted_run(corpus, tmp_path, reference_r
     losses = [e.get("train_loss") for e in read_metrics(tmp_path) if e["event"] == "round"]
     reference = [e.get("train_loss") for e in read_metrics(reference_run.out)]
     assert losses == [loss for loss in reference if loss is not None][:4]
+
+
+def test_resume_from_a_checkpoint_written_before_the_driver(corpus, tmp_path, reference_run):
+    """A checkpoint whose shared.pt holds the former OuterOptimizer state (steps taken, Nesterov
+    buffers by parameter name) resumes to the same parameters as the uninterrupted run."""
+    config = tiny_config(corpus, tmp_path, preset="isoloco", checkpoint_every=1, eval_every=2)
+    train(config.replace(stop_after=2), progress=False)
+    checkpoint = latest_checkpoint(tmp_path)
+    shared = torch.load(checkpoint / "shared.pt", weights_only=True)
+    names = [name for name, _ in build_model(model_config("micro", 512), 0).named_parameters()]
+    buffers = {names[i]: state["momentum_buffer"] for i, state in shared["outer"]["state"].items()}
+    assert len(buffers) == len(names)
+    torch.save({"steps_taken": 2, "momentum_buffers": buffers}, checkpoint / "shared.pt")
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    digest = hashlib.sha256((checkpoint / "shared.pt").read_bytes()).hexdigest()
+    manifest["files"]["shared.pt"] = digest
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+    resumed = train(config.replace(resume=True), progress=False)
+    assert resumed.checksum == reference_run.checksum
 
 
 def test_sigint_stops_and_resume_continues_exactly(corpus, tmp_path, reference_run, monkeypatch):
@@ -235,7 +255,7 @@ def test_sigint_stops_and_resume_continues_exactly(corpus, tmp_path, reference_r
         train(config, progress=False)
     monkeypatch.setattr(rounds, "worker_turn", real_turn)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    resumed = train(dataclasses.replace(config, resume=True), progress=False)
+    resumed = train(config.replace(resume=True), progress=False)
     assert resumed.checksum == reference_run.checksum
 
 
@@ -296,8 +316,8 @@ def test_docs_flags_exist_and_the_config_example_loads(tmp_path):
     example = tmp_path / "example.toml"
     example.write_text(re.search(r"```toml\n(.*?)```", docs, re.DOTALL).group(1))
     config = resolve_config(example)
-    assert (config.aggregator, config.workers, config.tokens) == ("ties", 16, 20_000_000)
-    assert config.aggregator_options == {"density": 0.5}
+    assert (config.outer.aggregator, config.run.workers) == ("ties", 16)
+    assert (config.data.tokens, config.outer.aggregator_options) == (20_000_000, {"density": 0.5})
 
 
 def test_cli_runs_and_reports_errors_on_one_line(corpus, tmp_path):
@@ -342,3 +362,24 @@ def test_resume_from_a_corrupt_checkpoint_names_the_file(tmp_path, reference_run
     (latest / "global.safetensors").write_bytes(bytes(data))
     with pytest.raises(CheckpointCorrupt, match=r"global\.safetensors is corrupt"):
         train(resolve_config(None, out=str(tmp_path / "run"), resume=True), progress=False)
+
+
+def test_config_sections_validate_once_and_hold_the_only_defaults():
+    """Each section checks its own fields when built; the CLI help shows the sections'
+    defaults; config.json stays flat, and a flat file rebuilds the same nested config."""
+    from mergekit_loco.train.config import InnerConfig, OuterConfig, default
+
+    with pytest.raises(ValueError, match="outer_lr must be > 0, got 0"):
+        OuterConfig(lr=0)
+    with pytest.raises(ValueError, match="compression must be bf16 or int8, not 'fp8'"):
+        OuterConfig(compression="fp8")
+    with pytest.raises(ValueError, match="inner_steps must be >= 1, got 0"):
+        InnerConfig(steps=0)
+    assert (default("outer_lr"), default("inner_steps")) == (OuterConfig().lr, InnerConfig().steps)
+    help_text = CliRunner().invoke(app, ["train", "--help"], env={"COLUMNS": "300"}).output
+    assert f"Outer learning rate (default {OuterConfig().lr})" in help_text
+    config = resolve_config(preset="isoloco", workers=4, checkpoint_every=3)
+    flat = config.to_dict()
+    assert (flat["aggregator"], flat["outer_lr"], flat["keep_checkpoints"]) == ("iso-c", 1.8, 2)
+    assert TrainConfig.from_dict(flat) == config
+    assert config.replace(outer_lr=0.5).outer.lr == 0.5 and config.outer.lr == 1.8

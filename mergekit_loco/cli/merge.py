@@ -18,7 +18,7 @@ from mergekit_loco.io import DEFAULT_MAX_SHARD_BYTES
 from mergekit_loco.low_rank import merge_to_lora
 from mergekit_loco.merge import MergeSummary, merge_checkpoints
 from mergekit_loco.merge_config import load_merge_config
-from mergekit_loco.methods import METHODS, get_method, list_methods
+from mergekit_loco.methods import METHODS, get_method, list_methods, parse_options
 
 OUTPUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 COMPUTE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -122,6 +122,10 @@ def merge(
         bool, typer.Option("--rank-aware", help="iso-c: keep only non-zero singular directions.")
     ] = False,
     seed: Annotated[int | None, typer.Option(help="dare: seed of the drop masks.")] = None,
+    option: Annotated[
+        list[str] | None,
+        typer.Option(help="Any method parameter as KEY=VALUE (repeatable): --option density=0.3."),
+    ] = None,
     dtype: Annotated[
         str | None,
         typer.Option(help="Output dtype: float32, bfloat16 or float16 (default: the base's)."),
@@ -152,11 +156,18 @@ def merge(
         "seed": seed,
         "rank_aware": rank_aware or None,
     }
+    given = {name: value for name, value in given.items() if value is not None}
+    if option and method is None:
+        raise ValueError("--option needs --method (a config file sets parameters itself)")
+    for key, value in (parse_options(method, option) if option else {}).items():
+        if key in given:
+            raise ValueError(f"--option {key}={value}: {key!r} is also given as a flag")
+        given[key] = value
     options = {
         "scale": scale,
         "dtype": parse_choice("--dtype", dtype, OUTPUT_DTYPES) if dtype is not None else None,
         "compute_dtype": parse_choice("--compute-dtype", compute_dtype, COMPUTE_DTYPES),
-        **{name: value for name, value in given.items() if value is not None},
+        **given,
     }
     if config is not None:
         models, base, method, options = from_config(config, models, base, method, options)

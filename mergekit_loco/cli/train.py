@@ -1,4 +1,5 @@
-"""``mloco train``: flags -> :class:`TrainConfig` -> :func:`train`. Thin on purpose.
+"""``mloco train``: flags -> :class:`TrainConfig` -> :func:`train`. Thin on purpose; the
+defaults in the help are read from the config's dataclasses.
 
 Under torchrun: ``torchrun --nproc_per_node 2 -m mergekit_loco train --workers 8 ...``.
 """
@@ -20,7 +21,7 @@ from mergekit_loco.cli.common import (
     user_errors,
 )
 from mergekit_loco.methods import list_methods
-from mergekit_loco.train.config import PRESETS, resolve_config
+from mergekit_loco.train.config import DEFAULT_TOKENS, PRESETS, default, resolve_config
 from mergekit_loco.train.loop import TrainingDiverged, TrainingInterrupted, train
 from mergekit_loco.train.workers import PeerLost
 
@@ -46,52 +47,79 @@ def parse_aggregator_options(pairs: list[str]) -> dict:
 @user_errors
 def train_command(
     preset: Annotated[
-        str | None, typer.Option(help=f"Tuned settings: {', '.join(PRESETS)} (default diloco).")
+        str | None,
+        typer.Option(help=f"Tuned settings: {', '.join(PRESETS)} (default {default('preset')})."),
     ] = None,
     model: Annotated[
-        str | None, typer.Option(help="micro, nano, 178m, 512m or a config.json (default nano).")
+        str | None,
+        typer.Option(
+            help="micro, nano, 178m, 512m or any HF causal-LM config.json "
+            f"(default {default('model')})."
+        ),
     ] = None,
     workers: Annotated[
-        int | None, typer.Option(help="R, the number of workers (default 8).")
+        int | None, typer.Option(help=f"R, the number of workers (default {default('workers')}).")
     ] = None,
     inner_steps: Annotated[
-        int | None, typer.Option(help="H, inner steps per round (default 30).")
+        int | None,
+        typer.Option(help=f"H, inner steps per round (default {default('inner_steps')})."),
     ] = None,
     global_batch: Annotated[
-        int | None, typer.Option(help="Sequences per inner step over all workers (default 64).")
+        int | None,
+        typer.Option(
+            help=f"Sequences per inner step over all workers (default {default('global_batch')})."
+        ),
     ] = None,
-    seq_len: Annotated[int | None, typer.Option(help="Tokens per sequence (default 128).")] = None,
-    tokens: Annotated[int | None, typer.Option(help="Token budget (default 2000000).")] = None,
+    seq_len: Annotated[
+        int | None, typer.Option(help=f"Tokens per sequence (default {default('seq_len')}).")
+    ] = None,
+    tokens: Annotated[
+        int | None, typer.Option(help=f"Token budget (default {DEFAULT_TOKENS}).")
+    ] = None,
     chinchilla: Annotated[
         float | None,
         typer.Option(help="Token budget as tokens per parameter (instead of --tokens)."),
     ] = None,
     seed: Annotated[
-        int | None, typer.Option(help="Seed of init, data order, DARE masks (default 0).")
+        int | None,
+        typer.Option(help=f"Seed of init, data order, DARE masks (default {default('seed')})."),
     ] = None,
     data: Annotated[
         str | None,
-        typer.Option(help="stdlib, pydoc, a text/jsonl file or a folder (default stdlib)."),
+        typer.Option(
+            help=f"stdlib, pydoc, a text/jsonl file or a folder (default {default('data')})."
+        ),
     ] = None,
     tokenizer: Annotated[
         str | None, typer.Option(help="A tokenizer folder (default: BPE trained on the data).")
     ] = None,
     vocab_size: Annotated[
-        int | None, typer.Option(help="Vocabulary of a trained BPE (default 4096).")
+        int | None,
+        typer.Option(help=f"Vocabulary of a trained BPE (default {default('vocab_size')})."),
     ] = None,
     val_tokens: Annotated[
-        int | None, typer.Option(help="Held-out validation tokens (default 65536).")
+        int | None,
+        typer.Option(help=f"Held-out validation tokens (default {default('val_tokens')})."),
     ] = None,
-    out: Annotated[Path | None, typer.Option(help="Run folder (default runs/train).")] = None,
+    out: Annotated[
+        Path | None, typer.Option(help=f"Run folder (default {default('out')}).")
+    ] = None,
     checkpoint_every: Annotated[
-        int | None, typer.Option(help="Checkpoint every N rounds; 0: only at the end (default 0).")
+        int | None,
+        typer.Option(
+            help="Checkpoint every N rounds; 0: only at the end "
+            f"(default {default('checkpoint_every')})."
+        ),
     ] = None,
     keep_checkpoints: Annotated[
-        int | None, typer.Option(help="Checkpoints kept (default 2).")
+        int | None, typer.Option(help=f"Checkpoints kept (default {default('keep_checkpoints')}).")
     ] = None,
     eval_every: Annotated[
         int | None,
-        typer.Option(help="Validation loss every N rounds; 0: only at the end (default 0)."),
+        typer.Option(
+            help="Validation loss every N rounds; 0: only at the end "
+            f"(default {default('eval_every')})."
+        ),
     ] = None,
     stop_after: Annotated[
         int | None, typer.Option(help="Stop (with a checkpoint) after N rounds; resume later.")
@@ -112,34 +140,45 @@ def train_command(
         Path | None, typer.Option("--config", help="A .toml, .yaml or .json config file.")
     ] = None,
     mode: Annotated[
-        str | None, typer.Option(help="diloco, or dp: the data-parallel baseline (default diloco).")
+        str | None,
+        typer.Option(
+            help=f"diloco, or dp: the data-parallel baseline (default {default('mode')})."
+        ),
     ] = None,
     aggregator: Annotated[
-        str | None, typer.Option(help=f"Merge method: {', '.join(list_methods())} (default mean).")
+        str | None,
+        typer.Option(
+            help=f"Merge method: {', '.join(list_methods())} (default {default('aggregator')})."
+        ),
     ] = None,
     outer_lr: Annotated[
-        float | None, typer.Option(help="Outer learning rate (default 0.7).")
+        float | None, typer.Option(help=f"Outer learning rate (default {default('outer_lr')}).")
     ] = None,
     outer_momentum: Annotated[
-        float | None, typer.Option(help="Outer momentum (default 0.9).")
+        float | None, typer.Option(help=f"Outer momentum (default {default('outer_momentum')}).")
     ] = None,
     nesterov: Annotated[
         bool | None, typer.Option("--nesterov/--no-nesterov", help="Nesterov outer momentum.")
     ] = None,
     inner_lr: Annotated[
-        float | None, typer.Option(help="Peak inner learning rate (default 1.38e-3).")
+        float | None,
+        typer.Option(help=f"Peak inner learning rate (default {default('inner_lr')})."),
     ] = None,
     inner_optimizer: Annotated[
-        str | None, typer.Option(help="adamw or muon (default adamw).")
+        str | None, typer.Option(help=f"adamw or muon (default {default('inner_optimizer')}).")
     ] = None,
     weight_decay: Annotated[
-        float | None, typer.Option(help="Inner weight decay (default 0.1).")
+        float | None, typer.Option(help=f"Inner weight decay (default {default('weight_decay')}).")
     ] = None,
     grad_clip: Annotated[
-        float | None, typer.Option(help="Gradient norm clip; 0: off (default 1.0).")
+        float | None,
+        typer.Option(help=f"Gradient norm clip; 0: off (default {default('grad_clip')})."),
     ] = None,
     warmup_fraction: Annotated[
-        float | None, typer.Option(help="Warmup share of the inner steps (default 0.1).")
+        float | None,
+        typer.Option(
+            help=f"Warmup share of the inner steps (default {default('warmup_fraction')})."
+        ),
     ] = None,
     density: Annotated[
         float | None, typer.Option(help="ties/dare/breadcrumbs aggregator: fraction kept.")
@@ -158,13 +197,17 @@ def train_command(
     ] = None,
     timeout: Annotated[
         float | None,
-        typer.Option(help="Collective timeout in seconds under torchrun (default 1800)."),
+        typer.Option(
+            help=f"Collective timeout in seconds under torchrun (default {default('timeout')})."
+        ),
     ] = None,
     compression: Annotated[
         str | None,
         typer.Option(help="Compress what the outer step sends: bf16 or int8 (default: exact)."),
     ] = None,
-    device: Annotated[str | None, typer.Option(help="auto, cpu or cuda (default auto).")] = None,
+    device: Annotated[
+        str | None, typer.Option(help=f"auto, cpu or cuda (default {default('device')}).")
+    ] = None,
     quiet: Quiet = False,
     debug: Debug = False,
 ) -> None:

@@ -16,7 +16,7 @@ import shutil
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -143,8 +143,8 @@ def plan(sweep: Sweep) -> list[Cell]:
     for aggregator in sweep.aggregators:
         first = Cell(aggregator, sweep.workers[0], sweep.inner_steps[0], sweep.seeds[0])
         preset = cell_config(sweep, first, Path())
-        lrs = sweep.outer_lr_grid.values(aggregator, preset.outer_lr)
-        momenta = sweep.outer_momentum_grid.values(aggregator, preset.outer_momentum)
+        lrs = sweep.outer_lr_grid.values(aggregator, preset.outer.lr)
+        momenta = sweep.outer_momentum_grid.values(aggregator, preset.outer.momentum)
         for inner_steps in sweep.inner_steps:
             for workers in sweep.workers:
                 for lr in lrs:
@@ -166,7 +166,7 @@ def plan(sweep: Sweep) -> list[Cell]:
 
 def trained_tokens(config: TrainConfig) -> int | None:
     """Tokens a run trains on: whole rounds of the budget (None for a per-parameter budget)."""
-    if config.chinchilla is not None:
+    if config.data.chinchilla is not None:
         return None
     return config.total_rounds() * config.tokens_per_round()
 
@@ -182,9 +182,9 @@ def cell_config(sweep: Sweep, cell: Cell, run_dir: Path, **runtime) -> TrainConf
     if cell.outer_momentum is not None:
         cell_fields["outer_momentum"] = cell.outer_momentum
     config = preset_config(cell.aggregator, **{**sweep.shared, **cell_fields})
-    rounds = config.total_rounds() if config.chinchilla is None else 8
+    rounds = config.total_rounds() if config.data.chinchilla is None else 8
     cadence = {"eval_every": max(1, rounds // 8), "checkpoint_every": max(1, rounds // 4)}
-    return replace(config, **{k: v for k, v in cadence.items() if k not in sweep.shared})
+    return config.replace(**{k: v for k, v in cadence.items() if k not in sweep.shared})
 
 
 # -- running ----------------------------------------------------------------------------------

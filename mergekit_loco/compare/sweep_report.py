@@ -15,6 +15,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from mergekit_loco import run_layout
 from mergekit_loco.compare.runs import BASELINE, RESULTS_CSV, RUN_COLUMNS, Run, load_runs
 from mergekit_loco.compare.stats import Spread, format_interval, ordering, paired_interval, spread
 from mergekit_loco.compare.tables import csv_text, format_loss, format_number, json_value
@@ -310,6 +311,8 @@ def report_sweep(
     """Re-render a sweep from ``results_dir/runs``: tables (results.csv, summary.csv,
     results.json, tuned.json), the terminal tables, and loss_vs_workers.png + curves.png."""
     out = Path(results_dir)
+    if not (out / run_layout.SWEEP_RUNS).is_dir():  # a published results.csv has no curves
+        raise FileNotFoundError(f"{out / run_layout.SWEEP_RUNS}: no runs to re-render")
     runs = load_runs(out)
     if not runs:
         raise FileNotFoundError(f"{out}: no runs yet")

@@ -8,6 +8,7 @@ from typing import ClassVar
 
 import torch
 
+from mergekit_loco.methods.plan import Plan
 from mergekit_loco.task_vector import TaskVector
 
 
@@ -15,20 +16,56 @@ from mergekit_loco.task_vector import TaskVector
 class MergeMethod:
     """A merge method: ``merged = f(tau_1, ..., tau_T)`` per tensor name.
 
-    Subclasses are frozen dataclasses whose fields are the method's parameters, and implement
-    :meth:`merge_tensor`. The same object merges checkpoints and aggregates DiLoCo deltas.
+    Subclasses are frozen dataclasses whose fields are the method's parameters. A method whose
+    result is a function of one sum, ``merged = finish(sum_t local_term(tau_t, t))``, declares
+    :meth:`local_term` and :meth:`finish`; :meth:`merge_tensor` is derived from them, and the
+    same two functions run the distributed merge (local sums, one all-reduce, finish). Any
+    other method implements :meth:`merge_tensor`, and may declare distributed :meth:`plans`
+    (without one it runs on the generic owner plan: each tensor merged on one rank).
     """
 
     name: ClassVar[str]
     #: whether ``mloco merge`` needs a base (only ``mean`` of full models does not).
     needs_base: ClassVar[bool] = True
-    #: as a DiLoCo aggregator, apply the method to ``tau_i / R`` (Iso-C, Iso-CTS) rather than to
-    #: the raw worker deltas; this is the convention of the seed paper's reference code.
-    aggregates_mean: ClassVar[bool] = False
+    #: a sum method whose :meth:`finish` does spectral work on matrices: distributed, it runs
+    #: once per tensor, on the tensor's owner rank, instead of on every rank.
+    finish_on_owner: ClassVar[bool] = False
+
+    # -- the sum contract ---------------------------------------------------------------------
+    def local_term(self, name: str, delta: torch.Tensor, worker_index: int) -> torch.Tensor:
+        """``h(tau_t, t)`` for worker/task ``t = worker_index`` (global 0-based index)."""
+        raise NotImplementedError
+
+    def finish(self, name: str, total: torch.Tensor, workers: int) -> torch.Tensor:
+        """``merged = g(sum_t h(tau_t, t), T)``; ``total`` is the method's to reuse in place."""
+        raise NotImplementedError
+
+    def term_dtype(self, shape: Sequence[int], dtype: torch.dtype) -> torch.dtype:
+        """dtype of :meth:`local_term` for a delta of ``shape`` and ``dtype`` (what travels)."""
+        return dtype
+
+    def is_sum(self) -> bool:
+        """Whether the method fulfils the sum contract (declares :meth:`local_term`)."""
+        return type(self).local_term is not MergeMethod.local_term
 
     def merge_tensor(self, name: str, deltas: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Merge the T deltas of tensor ``name`` (equal shapes) into one."""
-        raise NotImplementedError
+        """Merge the T deltas of tensor ``name`` (equal shapes) into one (in their dtype)."""
+        if not self.is_sum():
+            raise NotImplementedError(
+                f"{self.name}: declare local_term and finish, or merge_tensor"
+            )
+        terms = (self.local_term(name, delta, index) for index, delta in enumerate(deltas))
+        return self.finish(name, sum_of(terms), len(deltas)).to(deltas[0].dtype)
+
+    # -- beyond one sum -----------------------------------------------------------------------
+    def plans(self) -> Sequence[Plan]:
+        """The method's own distributed plans (see :mod:`mergekit_loco.methods.plan`)."""
+        return ()
+
+    def as_aggregator(self, round_index: int, workers: int) -> MergeMethod:
+        """The method as DiLoCo's aggregator of ``workers`` deltas in outer step
+        ``round_index`` (0-based). Default: itself."""
+        return self
 
     def merge(self, task_vectors: Sequence[TaskVector]) -> TaskVector:
         """Merge whole task vectors, one tensor name at a time."""
@@ -46,6 +83,52 @@ class MergeMethod:
     @classmethod
     def parameter_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+@dataclass(frozen=True)
+class OfWorkerMean(MergeMethod):
+    """``method`` applied to ``tau_t / workers`` on matrices (non-matrices as they are): the
+    aggregator convention of the seed paper's Iso-C and Iso-CTS (their spectra are those of the
+    workers' mean, not of the sum)."""
+
+    method: MergeMethod
+    workers: int
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return self.method.name
+
+    def scaled(self, delta: torch.Tensor) -> torch.Tensor:
+        return delta / self.workers if is_matrix(delta) else delta
+
+    def local_term(self, name: str, delta: torch.Tensor, worker_index: int) -> torch.Tensor:
+        return self.method.local_term(name, self.scaled(delta), worker_index)
+
+    def finish(self, name: str, total: torch.Tensor, workers: int) -> torch.Tensor:
+        return self.method.finish(name, total, workers)
+
+    def term_dtype(self, shape: Sequence[int], dtype: torch.dtype) -> torch.dtype:
+        return self.method.term_dtype(shape, dtype)
+
+    def is_sum(self) -> bool:
+        return self.method.is_sum()
+
+    @property
+    def finish_on_owner(self) -> bool:  # type: ignore[override]
+        return self.method.finish_on_owner
+
+    def merge_tensor(self, name: str, deltas: Sequence[torch.Tensor]) -> torch.Tensor:
+        return self.method.merge_tensor(name, [self.scaled(delta) for delta in deltas])
+
+    def plans(self) -> Sequence[Plan]:
+        def scaled_run(run):
+            def run_on_scaled(comm, local, names):
+                scaled = [TaskVector({n: self.scaled(d) for n, d in tv.items()}) for tv in local]
+                return run(comm, scaled, names)
+
+            return run_on_scaled
+
+        return [Plan(p.name, scaled_run(p.run), p.cost) for p in self.method.plans()]
 
 
 def sum_of(deltas: Iterable[torch.Tensor]) -> torch.Tensor:
@@ -87,12 +170,14 @@ def per_task_values(value: float | tuple[float, ...]) -> tuple[float, ...]:
     return tuple(value) if isinstance(value, tuple | list) else (value,)
 
 
-def per_task(method: str, option: str, value, index: int, tasks: int) -> float:
-    """Task ``index``'s value of a parameter given once or per task (then exactly ``tasks``)."""
+def per_task(method: str, option: str, value, index: int, tasks: int | None = None) -> float:
+    """Task ``index``'s value of a parameter given once or per task (then one per task:
+    exactly ``tasks`` where that is known)."""
     if not isinstance(value, tuple | list):
         return value
-    if len(value) != tasks:
-        raise ValueError(f"{method}: {option} has {len(value)} values for {tasks} tasks")
+    if (tasks is not None and len(value) != tasks) or index >= len(value):
+        count = tasks if tasks is not None else f"index {index} of the"
+        raise ValueError(f"{method}: {option} has {len(value)} values for {count} tasks")
     return value[index]
 
 
@@ -101,13 +186,3 @@ def task_weights(method: str, weights, tasks: int) -> tuple[float, ...] | None:
     if weights is not None and len(weights) != tasks:
         raise ValueError(f"{method}: weights has {len(weights)} values for {tasks} tasks")
     return None if weights is None else tuple(float(weight) for weight in weights)
-
-
-def weighted_sum(deltas: Sequence[torch.Tensor], weights: Sequence[float] | None):
-    """``sum_t w_t tau_t`` (a new tensor); without weights the mean ``(1/T) sum_t tau_t``."""
-    if weights is None:
-        return mean_of(deltas)
-    total = deltas[0] * weights[0]
-    for delta, weight in zip(deltas[1:], weights[1:], strict=True):
-        total.add_(delta, alpha=weight)
-    return total

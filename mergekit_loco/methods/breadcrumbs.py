@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -13,7 +12,6 @@ from mergekit_loco.methods.base import (
     per_task,
     per_task_values,
     task_weights,
-    weighted_sum,
 )
 
 
@@ -58,18 +56,15 @@ class Breadcrumbs(MergeMethod):
         for gamma in per_task_values(self.gamma):
             check_fraction(self.name, "gamma", gamma, low_open=False, high_open=True)
 
-    def is_plain_mean(self) -> bool:
-        """Whether this is the unweighted mean of one band for all tasks (a sum method)."""
-        return self.weights is None and all(
-            len(per_task_values(value)) == 1 for value in (self.density, self.gamma)
-        )
+    def local_term(self, name: str, delta: torch.Tensor, worker_index: int) -> torch.Tensor:
+        density = per_task(self.name, "density", self.density, worker_index)
+        gamma = per_task(self.name, "gamma", self.gamma, worker_index)
+        band = keep_magnitude_band(delta, density, gamma)
+        if self.weights is None:
+            return band
+        return band.mul_(per_task(self.name, "weights", self.weights, worker_index))
 
-    def band(self, delta: torch.Tensor, index: int, tasks: int) -> torch.Tensor:
-        density = per_task(self.name, "density", self.density, index, tasks)
-        gamma = per_task(self.name, "gamma", self.gamma, index, tasks)
-        return keep_magnitude_band(delta, density, gamma)
-
-    def merge_tensor(self, name: str, deltas: Sequence[torch.Tensor]) -> torch.Tensor:
-        count = len(deltas)
-        bands = [self.band(delta, index, count) for index, delta in enumerate(deltas)]
-        return weighted_sum(bands, task_weights(self.name, self.weights, count))
+    def finish(self, name: str, total: torch.Tensor, workers: int) -> torch.Tensor:
+        if task_weights(self.name, self.weights, workers) is None:
+            return total.div_(workers)
+        return total

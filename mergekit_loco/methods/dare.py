@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -14,7 +15,6 @@ from mergekit_loco.methods.base import (
     per_task,
     per_task_values,
     task_weights,
-    weighted_sum,
 )
 from mergekit_loco.methods.ties import sign_consensus_merge
 
@@ -69,30 +69,38 @@ class Dare(MergeMethod):
                 f"{self.name}: rescale must be one of {RESCALE_CHOICES}, not {self.rescale!r}"
             )
 
-    def is_plain_mean(self) -> bool:
-        """Whether this is the unweighted mean of ``drop(tau_t) / density`` (a sum method)."""
-        return (
-            self.weights is None
-            and self.rescale == "density"
-            and not self.consensus
-            and len(per_task_values(self.density)) == 1
-        )
-
-    def drop(self, name: str, delta: torch.Tensor, task_index: int, tasks: int = 1):
+    def drop(self, name: str, delta: torch.Tensor, task_index: int) -> torch.Tensor:
         """The rescaled ``m_t * tau_t`` with the mask of (seed, ``name``, ``task_index``)."""
         generator = torch.Generator()
         generator.manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()) + task_index)
-        density = per_task(self.name, "density", self.density, task_index, tasks)
+        density = per_task(self.name, "density", self.density, task_index)
         return drop_and_rescale(delta, density, generator, self.rescale)
 
+    def is_sum(self) -> bool:
+        """DARE-TIES (``consensus``) elects signs: not one sum."""
+        return not self.consensus
+
+    def local_term(self, name: str, delta: torch.Tensor, worker_index: int) -> torch.Tensor:
+        dropped = self.drop(name, delta, worker_index)
+        if self.weights is None:
+            return dropped
+        return dropped.mul_(per_task(self.name, "weights", self.weights, worker_index))
+
+    def finish(self, name: str, total: torch.Tensor, workers: int) -> torch.Tensor:
+        if task_weights(self.name, self.weights, workers) is None:
+            return total.div_(workers)
+        return total
+
     def merge_tensor(self, name: str, deltas: Sequence[torch.Tensor]) -> torch.Tensor:
+        if not self.consensus:
+            return super().merge_tensor(name, deltas)
         count = len(deltas)
-        dropped = [self.drop(name, delta, index, count) for index, delta in enumerate(deltas)]
-        weights = task_weights(self.name, self.weights, count)
-        if self.consensus:
-            flat = [delta.reshape(-1) for delta in dropped]
-            uniform = weights or (1 / count,) * count
-            return sign_consensus_merge(
-                lambda part: (delta[part] for delta in flat), deltas[0], uniform, self.normalize
-            )
-        return weighted_sum(dropped, weights)
+        weights = task_weights(self.name, self.weights, count) or (1 / count,) * count
+        dropped = [self.drop(name, delta, index).reshape(-1) for index, delta in enumerate(deltas)]
+        return sign_consensus_merge(
+            lambda part: (delta[part] for delta in dropped), deltas[0], weights, self.normalize
+        )
+
+    def as_aggregator(self, round_index: int, workers: int) -> Dare:
+        """Fresh masks every outer step: seed ``seed + round_index``."""
+        return dataclasses.replace(self, seed=self.seed + round_index)

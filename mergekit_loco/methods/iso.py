@@ -1,4 +1,4 @@
-"""Iso-C and Iso-CTS (Marczak et al., 2025): isotropic merging in common and task subspaces."""
+"""Iso-C (Marczak et al., 2025): isotropic merging in the common subspace (the sum's)."""
 
 from __future__ import annotations
 
@@ -7,15 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mergekit_loco.linalg import isotropic, newton_schulz, polar_factor, thin_svd
-from mergekit_loco.methods.base import (
-    MergeMethod,
-    check_fraction,
-    in_svd_precision,
-    is_matrix,
-    mean_of,
-    sum_of,
-)
+from mergekit_loco.linalg import isotropic
+from mergekit_loco.methods.base import MergeMethod, OfWorkerMean, is_matrix
 
 SPECTRAL_CHOICES = ("exact", "ns")
 
@@ -36,85 +29,25 @@ class IsoC(MergeMethod):
     """
 
     name = "iso-c"
-    aggregates_mean = True
+    finish_on_owner = True
     spectral: str = "exact"
     rank_aware: bool = False
 
     def __post_init__(self):
         check_spectral(self.name, self.spectral)
 
-    def merge_tensor(self, name: str, deltas: Sequence[torch.Tensor]) -> torch.Tensor:
-        if not is_matrix(deltas[0]):
-            return mean_of(deltas)
-        summed = sum_of(in_svd_precision(deltas))
-        return isotropic(summed, self.spectral, self.rank_aware).to(deltas[0].dtype)
+    def local_term(self, name: str, delta: torch.Tensor, worker_index: int) -> torch.Tensor:
+        """Matrices are summed in float32 at least (there is no half-precision SVD)."""
+        return delta.to(self.term_dtype(delta.shape, delta.dtype))
 
+    def term_dtype(self, shape: Sequence[int], dtype: torch.dtype) -> torch.dtype:
+        return torch.promote_types(dtype, torch.float32) if len(shape) == 2 else dtype
 
-def split_subspaces(name: str, dim: int, tasks: int, common_fraction: float) -> tuple[int, int]:
-    """``(k, per_task)``: common size ``k`` and task-specific size per task, as in the reference:
-    ``k0 = int(d f)``; ``k = d - round((d - k0) / T) T``; ``per_task = (d - k) / T``."""
-    common = int(dim * common_fraction)
-    task_specific_total = round((dim - common) / tasks) * tasks
-    common = dim - task_specific_total
-    if common < 0:
-        raise ValueError(
-            f"iso-cts: tensor {name!r} with min(m, n) = {dim} cannot hold {tasks} task-specific "
-            f"blocks (common subspace size would be {common} < 0); raise common_fraction or use "
-            "fewer tasks"
-        )
-    return common, task_specific_total // tasks
+    def finish(self, name: str, total: torch.Tensor, workers: int) -> torch.Tensor:
+        if not is_matrix(total):
+            return total.div_(workers)
+        return isotropic(total, self.spectral, self.rank_aware)
 
-
-def common_subspace(summed: torch.Tensor, common: int):
-    """Top-``k`` thin-SVD factors of ``sum_t tau_t``: ``(U_k, s_k, Vh_k)``."""
-    left, singular, right_h = thin_svd(summed)
-    return left[:, :common], singular[:common], right_h[:common]
-
-
-def task_specific_factors(delta: torch.Tensor, common_left: torch.Tensor, per_task: int):
-    """Top ``per_task`` SVD factors of ``tau - U_k U_k^T tau`` (tau outside the common space)."""
-    residual = delta - common_left @ (common_left.mT @ delta)
-    left, singular, right_h = thin_svd(residual)
-    return left[:, :per_task], singular[:per_task], right_h[:per_task]
-
-
-def isotropic_from_factors(factors, spectral: str) -> torch.Tensor:
-    """``mean(s) * orth([U_blocks]) orth([Vh_blocks])`` where orth is the polar factor (or its
-    Newton-Schulz approximation)."""
-    orthogonalise = polar_factor if spectral == "exact" else newton_schulz
-    left = orthogonalise(torch.cat([u for u, _, _ in factors], dim=1))
-    right_h = orthogonalise(torch.cat([vh for _, _, vh in factors], dim=0))
-    singular = torch.cat([s for _, s, _ in factors])
-    return singular.mean() * (left @ right_h)
-
-
-@dataclass(frozen=True)
-class IsoCts(MergeMethod):
-    """Iso-CTS per matrix: common subspace = top-k SVD of ``sum_t tau_t`` with
-    ``k ~ common_fraction * d``; each task adds the top ``(d-k)/T`` directions of its residual
-    outside it; the blocks [task-specific..., common] are polar-orthogonalised and all singular
-    values replaced by their mean. Non-matrix tensors: mean over tasks.
-
-    common_fraction in [0, 1), default 0.8; spectral="ns" orthogonalises the stacked blocks by
-    Newton-Schulz instead of an SVD (the subspace SVDs remain).
-    """
-
-    name = "iso-cts"
-    aggregates_mean = True
-    common_fraction: float = 0.8
-    spectral: str = "exact"
-
-    def __post_init__(self):
-        check_fraction(self.name, "common_fraction", self.common_fraction, False, True)
-        check_spectral(self.name, self.spectral)
-
-    def merge_tensor(self, name: str, deltas: Sequence[torch.Tensor]) -> torch.Tensor:
-        if not is_matrix(deltas[0]):
-            return mean_of(deltas)
-        common, per_task = split_subspaces(
-            name, min(deltas[0].shape), len(deltas), self.common_fraction
-        )
-        precise = in_svd_precision(deltas)
-        shared = common_subspace(sum_of(precise), common)
-        specific = [task_specific_factors(d, shared[0], per_task) for d in precise]
-        return isotropic_from_factors([*specific, shared], self.spectral).to(deltas[0].dtype)
+    def as_aggregator(self, round_index: int, workers: int) -> MergeMethod:
+        """DiLoCo: Iso-C of the workers' mean (``tau_t / R`` on matrices), as the seed paper."""
+        return OfWorkerMean(self, workers)

@@ -1,14 +1,13 @@
-"""Plain averaging (model soup; DiLoCo's aggregator)."""
+"""Plain averaging (model soup; DiLoCo's aggregator), optionally weighted."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from mergekit_loco.methods.base import MergeMethod, mean_of, task_weights, weighted_sum
+from mergekit_loco.methods.base import MergeMethod, per_task, task_weights
 
 
 @dataclass(frozen=True)
@@ -23,11 +22,15 @@ class Mean(MergeMethod):
     needs_base = False
     weights: tuple[float, ...] | None = None
 
-    def merge_tensor(self, name: str, deltas: Sequence[torch.Tensor]) -> torch.Tensor:
-        weights = task_weights(self.name, self.weights, len(deltas))
+    def local_term(self, name: str, delta: torch.Tensor, worker_index: int) -> torch.Tensor:
+        if self.weights is None:
+            return delta
+        return delta * per_task(self.name, "weights", self.weights, worker_index)
+
+    def finish(self, name: str, total: torch.Tensor, workers: int) -> torch.Tensor:
+        weights = task_weights(self.name, self.weights, workers)
         if weights is None:
-            return mean_of(deltas)
-        total = math.fsum(weights)
-        if total == 0:
+            return total.div_(workers)
+        if math.fsum(weights) == 0:
             raise ValueError(f"{self.name}: weights sum to 0")
-        return weighted_sum(deltas, weights).div_(total)
+        return total.div_(math.fsum(weights))

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import types
+import typing
+from collections.abc import Sequence
+
 from mergekit_loco.methods.base import MergeMethod
 from mergekit_loco.methods.breadcrumbs import Breadcrumbs
 from mergekit_loco.methods.dare import Dare
-from mergekit_loco.methods.iso import IsoC, IsoCts
+from mergekit_loco.methods.iso import IsoC
+from mergekit_loco.methods.iso_cts import IsoCts
 from mergekit_loco.methods.mean import Mean
 from mergekit_loco.methods.ta import TaskArithmetic
 from mergekit_loco.methods.ties import Ties
@@ -18,6 +23,61 @@ METHODS: dict[str, type[MergeMethod]] = {
 
 def list_methods() -> list[str]:
     return list(METHODS)
+
+
+def parse_options(name: str, pairs: Sequence[str]) -> dict[str, object]:
+    """``["density=0.3", "seed=2"]`` -> ``{"density": 0.3, "seed": 2}`` for method ``name``: each
+    value parsed to the type of the method's field (bool: true/false, 1/0, yes/no).
+
+    Raises ``ValueError`` naming the ``--option`` at fault: no ``=``, a key the method does not
+    take, a value that does not parse, a key given twice.
+    """
+    if name not in METHODS:
+        raise ValueError(f"unknown merge method {name!r}; choose one of {', '.join(METHODS)}")
+    types = typing.get_type_hints(METHODS[name])
+    accepted = METHODS[name].parameter_names()
+    options: dict[str, object] = {}
+    for pair in pairs:
+        key, equals, text = pair.partition("=")
+        key = key.strip().replace("-", "_")
+        if not equals or not key:
+            raise ValueError(f"--option {pair!r}: expected KEY=VALUE, e.g. density=0.3")
+        if key not in accepted:
+            takes = ", ".join(accepted) if accepted else "no parameters"
+            raise ValueError(f"--option {pair!r}: method {name!r} does not take {key!r} ({takes})")
+        if key in options:
+            raise ValueError(f"--option {pair!r}: {key!r} is given twice")
+        options[key] = _parse_value(pair, text.strip(), types[key])
+    return options
+
+
+def _parse_value(pair: str, text: str, kind) -> object:
+    """``text`` as a ``kind``: bool, int, float, str, ``X | None`` ("none" is None) or a tuple
+    of one of them (comma-separated)."""
+    arguments = [a for a in typing.get_args(kind) if a is not type(None)]
+    if typing.get_origin(kind) in (typing.Union, types.UnionType) and len(arguments) == 1:
+        return None if text.lower() == "none" else _parse_value(pair, text, arguments[0])
+    if typing.get_origin(kind) in (typing.Union, types.UnionType) and len(arguments) == 2:
+        # X | tuple[X, ...]: one value for all tasks, or comma-separated values per task
+        one, each = arguments
+        if typing.get_origin(each) is tuple:
+            return _parse_value(pair, text, each if "," in text else one)
+    if typing.get_origin(kind) is tuple and arguments:
+        return tuple(_parse_value(pair, item.strip(), arguments[0]) for item in text.split(","))
+    if kind is bool:
+        if text.lower() not in _BOOLEANS:
+            raise ValueError(f"--option {pair!r}: {text!r} is not true or false")
+        return _BOOLEANS[text.lower()]
+    if kind not in _KINDS:
+        raise ValueError(f"--option {pair!r}: a {kind} cannot be given as KEY=VALUE")
+    try:
+        return kind(text)
+    except ValueError:
+        raise ValueError(f"--option {pair!r}: {text!r} is not {_KINDS[kind]}") from None
+
+
+_KINDS = {int: "an integer", float: "a number", str: "a string"}
+_BOOLEANS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
 def get_method(name: str, **params) -> MergeMethod:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from mergekit_loco.methods.base import MergeMethod, sum_of, task_weights, weighted_sum
+from mergekit_loco.methods.base import MergeMethod, per_task, task_weights
 
 
 @dataclass(frozen=True)
@@ -20,6 +19,11 @@ class TaskArithmetic(MergeMethod):
     name = "ta"
     weights: tuple[float, ...] | None = None
 
-    def merge_tensor(self, name: str, deltas: Sequence[torch.Tensor]) -> torch.Tensor:
-        weights = task_weights(self.name, self.weights, len(deltas))
-        return sum_of(deltas) if weights is None else weighted_sum(deltas, weights)
+    def local_term(self, name: str, delta: torch.Tensor, worker_index: int) -> torch.Tensor:
+        if self.weights is None:
+            return delta
+        return delta * per_task(self.name, "weights", self.weights, worker_index)
+
+    def finish(self, name: str, total: torch.Tensor, workers: int) -> torch.Tensor:
+        task_weights(self.name, self.weights, workers)
+        return total

@@ -16,6 +16,8 @@ from mergekit_loco.methods.base import (
     per_task_values,
     task_weights,
 )
+from mergekit_loco.methods.plan import Collectives, Layout, Plan, Pricing
+from mergekit_loco.task_vector import TaskVector
 
 #: Tensors up to this many entries get a plain ``kthvalue``; larger ones the bracketed search.
 DIRECT_SELECTION_NUMEL = 1 << 16
@@ -298,3 +300,52 @@ class Ties(MergeMethod):
             return (trim_slice(d[part], t) for d, t in zip(flat, thresholds, strict=True))
 
         return sign_consensus_merge(trimmed, deltas[0], weights, self.normalize)
+
+    def plans(self) -> Sequence[Plan]:
+        """Two all-reduces for plain TIES (unweighted, one density, the reference trim,
+        normalized); any other setting runs on the generic owner plan."""
+        plain = (
+            self.weights is None
+            and self.normalize
+            and self.trim == "reference"
+            and not isinstance(self.density, tuple)
+        )
+        return (Plan("all-reduce", self.run_two_sums, two_sums_bytes),) if plain else ()
+
+    def run_two_sums(
+        self, comm: Collectives, local: Sequence[TaskVector], names: list[str]
+    ) -> list[torch.Tensor]:
+        """Round 1: all-reduce ``sum_t trim(tau_t)`` and elect signs from it; round 2:
+        all-reduce the agreeing entries' sum and count; ``merged = sum / max(count, 1)``."""
+        trimmed = [
+            torch.stack([keep_top_magnitude(tv[name], self.density) for tv in local])
+            for name in names
+        ]
+        sums = comm.all_reduce([block.sum(dim=0) for block in trimmed])
+        partial = [
+            agreeing_sum_and_count(block, elect_sign(total))
+            for block, total in zip(trimmed, sums, strict=True)
+        ]
+        count_dtype = count_dtype_for(len(local) * comm.world)
+        reduced = comm.all_reduce(
+            [total for total, _ in partial] + [count.to(count_dtype) for _, count in partial]
+        )
+        totals, counts = reduced[: len(names)], reduced[len(names) :]
+        return [
+            divide_by_count(total, count.long())
+            for total, count in zip(totals, counts, strict=True)
+        ]
+
+
+def count_dtype_for(workers: int) -> torch.dtype:
+    """The agreeing counts travel as uint8 while they fit (R <= 255), else int32."""
+    return torch.uint8 if workers <= 255 else torch.int32
+
+
+def two_sums_bytes(layout: Layout, workers_per_rank: int, world: int, pricing: Pricing) -> float:
+    """Two ring all-reduces: ``2 (P-1) N (2 b + c)`` over all ranks (c: count bytes)."""
+    count_bytes = count_dtype_for(workers_per_rank * world).itemsize
+    entries = sum(
+        math.prod(shape) * (2 * pricing.width(dtype) + count_bytes) for _, shape, dtype in layout
+    )
+    return 2 * (world - 1) * entries

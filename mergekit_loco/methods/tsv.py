@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -9,6 +10,16 @@ import torch
 
 from mergekit_loco.linalg import polar_factor, thin_svd
 from mergekit_loco.methods.base import MergeMethod, in_svd_precision, is_matrix, mean_of
+from mergekit_loco.methods.plan import (
+    Collectives,
+    Layout,
+    Plan,
+    Pricing,
+    delivery_bytes,
+    stack_sum,
+    templates,
+)
+from mergekit_loco.task_vector import TaskVector
 
 LowRank = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -61,3 +72,60 @@ class Tsv(MergeMethod):
         rank = tsv_rank(name, deltas[0].shape, len(deltas))
         factors = [truncated_factors(d, rank) for d in in_svd_precision(deltas)]
         return orthogonalised_sum(factors).to(deltas[0].dtype)
+
+    def plans(self) -> Sequence[Plan]:
+        return (Plan("low-rank", self.run_low_rank, low_rank_bytes),)
+
+    def run_low_rank(
+        self, comm: Collectives, local: Sequence[TaskVector], names: list[str]
+    ) -> list[torch.Tensor]:
+        """Each rank sends its workers' top-r factors ``(U_r, s_r, Vh_r)`` (r = int(d/R)) to the
+        matrix's owner, which stacks all R and takes the polar factors; non-matrices: the mean
+        of a reduce-scatter. The owner shares the result."""
+        workers_per_rank = len(local)
+        workers = workers_per_rank * comm.world
+        owners = comm.owners([local[0][name].shape for name in names])
+        parcels = []
+        for name in names:
+            deltas = [tv[name] for tv in local]
+            if not is_matrix(deltas[0]):
+                parcels.append([stack_sum(deltas)])
+                continue
+            rank = tsv_rank(name, deltas[0].shape, workers)
+            with comm.spectral():
+                factors = [truncated_factors(delta, rank) for delta in in_svd_precision(deltas)]
+            parcels.append([tensor for triple in factors for tensor in triple])
+        merged = []
+        for name, copies in zip(names, comm.to_owners(parcels, owners), strict=True):
+            if copies is None:
+                merged.append(None)
+            elif not is_matrix(local[0][name]):
+                merged.append(stack_sum([parcel[0] for parcel in copies]) / workers)
+            else:
+                factors = [
+                    tuple(parcel[3 * v : 3 * v + 3])
+                    for parcel in copies
+                    for v in range(workers_per_rank)
+                ]
+                with comm.spectral():
+                    merged.append(orthogonalised_sum(factors).to(local[0][name].dtype))
+        return comm.from_owners(merged, templates(local, names), owners, balance=True)
+
+
+def low_rank_bytes(layout: Layout, workers_per_rank: int, world: int, pricing: Pricing) -> float:
+    """All ranks together: ``(P-1) V r (m+n+1) b'`` per matrix (b': factor bytes, float32 at
+    least), ``(P-1) N b`` per non-matrix, plus delivering the results (``(P-1) N b``, more if
+    relayed: :func:`~mergekit_loco.methods.plan.delivery_bytes`)."""
+    workers = workers_per_rank * world
+    total = 0.0
+    for name, shape, dtype in layout:
+        if len(shape) != 2:
+            total += (world - 1) * math.prod(shape) * pricing.width(dtype)
+            continue
+        rows, cols = shape
+        factor_width = pricing.width(torch.promote_types(dtype, torch.float32))
+        rank = tsv_rank(name, shape, workers)
+        total += (world - 1) * workers_per_rank * rank * (rows + cols + 1) * factor_width
+    results = [(shape, dtype) for _, shape, dtype in layout]
+    owners = pricing.owners([shape for shape, _ in results])
+    return total + delivery_bytes(results, owners, world, pricing, balance=True)

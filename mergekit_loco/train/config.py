@@ -1,4 +1,5 @@
-"""Run configuration: a typed dataclass that presets, a TOML/YAML/JSON file and flags fill.
+"""Run configuration: ``TrainConfig``, six typed sections (train/config_sections.py) that
+presets, a TOML/YAML/JSON file and flags fill by their flat option names.
 
 Precedence, lowest first: dataclass defaults < preset < config file < flags. When resuming
 (``resume=True``) the run's saved ``config.json`` takes the place of the defaults, so
@@ -16,18 +17,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mergekit_loco.methods import get_method
+from mergekit_loco.train.config_sections import (
+    CheckpointConfig,
+    DataConfig,
+    InnerConfig,
+    ModelConfig,
+    OuterConfig,
+    RunConfig,
+    check_choice,
+)
 
-MODES = ("diloco", "dp")
-INNER_OPTIMIZERS = ("adamw", "muon")
-DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_TOKENS = 2_000_000
 
-#: The seed paper's tuned 178M, R = 8 values. Each preset sets every key listed in
-#: PRESET_KEYS, so switching presets never leaves a value of the previous one behind.
+#: The seed paper's tuned 178M, R = 8 values, as changes to the sections' defaults (which are
+#: the diloco preset). Every preset starts from the defaults of PRESET_KEYS, so switching
+#: presets never leaves a value of the previous one behind.
 PRESETS: dict[str, dict[str, Any]] = {
-    "diloco": dict(aggregator="mean", outer_lr=0.7, outer_momentum=0.9, nesterov=True,
-                   inner_lr=1.38e-3),
+    "diloco": {},
     "diloco-sgd": dict(aggregator="mean", outer_lr=1.6, outer_momentum=0.0, nesterov=False,
                        inner_lr=1.38e-3),
     "isoloco": dict(aggregator="iso-c", outer_lr=1.8, outer_momentum=0.8, nesterov=True,
@@ -59,166 +65,108 @@ RUNTIME_FIELDS = frozenset(
 )  # fmt: skip
 
 
-@dataclass
-class TrainConfig:
-    """Everything a training run needs. Defaults are the ``diloco`` preset on the nano model.
+SECTIONS = {
+    "model": ModelConfig, "data": DataConfig, "inner": InnerConfig, "outer": OuterConfig,
+    "checkpoint": CheckpointConfig, "run": RunConfig,
+}  # fmt: skip
+#: The flat option names (flags, config files, config.json) -> (section, field).
+FLAT_KEYS: dict[str, tuple[str, str]] = {
+    "model": ("model", "name"), "init": ("model", "init"), "data": ("data", "source"),
+    "inner_steps": ("inner", "steps"), "inner_optimizer": ("inner", "optimizer"),
+    "inner_lr": ("inner", "lr"), "outer_lr": ("outer", "lr"),
+    "outer_momentum": ("outer", "momentum"), "checkpoint_every": ("checkpoint", "every"),
+    "keep_checkpoints": ("checkpoint", "keep"),
+}  # fmt: skip
+for _section, _kind in SECTIONS.items():
+    for _field in dataclasses.fields(_kind):
+        if (_section, _field.name) not in FLAT_KEYS.values():
+            FLAT_KEYS[_field.name] = (_section, _field.name)
 
-    FLOP-matched protocol: ``global_batch`` sequences per inner step summed over the
-    ``workers`` (R), so each worker's batch is ``global_batch / R``. Inner steps
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a training run needs, in six sections, each validated when built; the
+    defaults are the ``diloco`` preset on the nano model. Flat names (``workers``,
+    ``outer_lr``: the flags) read and build it through :meth:`to_dict` / :meth:`from_dict`.
+
+    FLOP-matched protocol: each worker's batch is ``global_batch / R``. Inner steps
     ``S = tokens // (global_batch * seq_len)``; rounds ``= S // inner_steps`` (floor: a round
     is never cut short, the budget's remainder is left unused).
     """
 
-    preset: str = "diloco"
-    #: "diloco": R workers, H inner steps, an outer step per round; "dp": one model trained
-    #: on the whole global batch every step (AdamW data-parallel baseline, no outer step).
-    mode: str = "diloco"
-    model: str = "nano"
-    aggregator: str = "mean"
-    aggregator_options: dict[str, Any] = field(default_factory=dict)
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    nesterov: bool = True
-    workers: int = 8
-    inner_steps: int = 30
-    global_batch: int = 64
-    seq_len: int = 128
-    #: token budget; default 2M unless ``chinchilla`` is given.
-    tokens: int | None = None
-    #: token budget as tokens per model parameter (the paper uses 20).
-    chinchilla: float | None = None
-    inner_lr: float = 1.38e-3
-    inner_optimizer: str = "adamw"
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = 1.0
-    warmup_fraction: float = 0.1
-    seed: int = 0
-    #: seed of the validation documents (None: ``seed``); one value shares them across seeds.
-    val_seed: int | None = None
-    data: str = "stdlib"
-    tokenizer: str | None = None
-    vocab_size: int = 4096
-    val_tokens: int = 65536
-    #: start from this HF folder / safetensors file instead of a fresh init (fine-tuning).
-    init: str | None = None
-    out: str = "runs/train"
-    #: checkpoint every N rounds (0: only at the end).
-    checkpoint_every: int = 0
-    keep_checkpoints: int = 2
-    #: validation loss every N rounds (0: only at the end).
-    eval_every: int = 0
-    #: end this invocation after N completed rounds (with a checkpoint); resume continues.
-    stop_after: int | None = None
-    resume: bool = False
-    allow_config_change: bool = False
-    force: bool = False
-    #: collective timeout in seconds (torchrun).
-    timeout: float = 1800.0
-    #: what the outer step communicates: None (exact), "bf16" or "int8" (per-row scales).
-    compression: str | None = None
-    device: str = "auto"
-    quiet: bool = False
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    inner: InnerConfig = field(default_factory=InnerConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self):
+        check_choice("preset", self.run.preset, PRESETS)
+        if self.data.global_batch % self.run.workers:
+            raise ValueError(
+                f"global_batch {self.data.global_batch} is not divisible by {self.run.workers} "
+                "workers (each worker's batch is global_batch / workers)"
+            )
+        if self.data.chinchilla is None:
+            self.check_budget(None)
 
     # -- derived quantities ---------------------------------------------------------------------
     @property
     def worker_batch(self) -> int:
         """Sequences per inner step of one worker: ``global_batch / R``."""
-        return self.global_batch // self.workers
+        return self.data.global_batch // self.run.workers
 
     def token_budget(self, parameter_count: int | None = None) -> int:
         """``tokens``, or ``chinchilla * parameter_count``, or the 2M default."""
-        if self.chinchilla is not None:
+        if self.data.chinchilla is not None:
             if parameter_count is None:
                 raise ValueError("chinchilla budget needs the model's parameter count")
-            return int(self.chinchilla * parameter_count)
-        return self.tokens if self.tokens is not None else DEFAULT_TOKENS
+            return int(self.data.chinchilla * parameter_count)
+        return self.data.tokens if self.data.tokens is not None else DEFAULT_TOKENS
 
     def total_rounds(self, parameter_count: int | None = None) -> int:
         """``floor(S / H)`` with ``S = tokens // (global_batch * seq_len)`` inner steps."""
-        steps = self.token_budget(parameter_count) // (self.global_batch * self.seq_len)
-        return steps // self.inner_steps
+        steps = self.token_budget(parameter_count) // (self.data.global_batch * self.data.seq_len)
+        return steps // self.inner.steps
 
     def tokens_per_round(self) -> int:
-        return self.inner_steps * self.global_batch * self.seq_len
-
-    # -- validation -----------------------------------------------------------------------------
-    def validate(self) -> None:
-        """Raise ``ValueError`` naming the first inconsistent option (no compute needed)."""
-        _check_choice("preset", self.preset, PRESETS)
-        _check_choice("mode", self.mode, MODES)
-        _check_choice("inner_optimizer", self.inner_optimizer, INNER_OPTIMIZERS)
-        _check_choice("device", self.device, DEVICES)
-        for name in ("workers", "inner_steps", "global_batch", "keep_checkpoints", "vocab_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.seq_len < 2:
-            raise ValueError(f"seq_len must be >= 2, got {self.seq_len}")
-        if self.global_batch % self.workers:
-            raise ValueError(
-                f"global_batch {self.global_batch} is not divisible by {self.workers} workers "
-                "(each worker's batch is global_batch / workers)"
-            )
-        if self.val_tokens < self.seq_len:
-            raise ValueError(
-                f"val_tokens must be >= seq_len ({self.seq_len}), got {self.val_tokens}"
-            )
-        for name in ("checkpoint_every", "eval_every"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.stop_after is not None and self.stop_after < 1:
-            raise ValueError(f"stop_after must be >= 1, got {self.stop_after}")
-        if self.tokens is not None and self.chinchilla is not None:
-            raise ValueError("set the token budget with tokens or chinchilla, not both")
-        if self.tokens is not None and self.tokens < 1:
-            raise ValueError(f"tokens must be >= 1, got {self.tokens}")
-        if self.chinchilla is not None and self.chinchilla <= 0:
-            raise ValueError(f"chinchilla must be > 0, got {self.chinchilla}")
-        if self.chinchilla is None:
-            self.check_budget(None)
-        for name in ("inner_lr", "timeout"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.weight_decay < 0 or self.grad_clip < 0:
-            raise ValueError("weight_decay and grad_clip must be >= 0 (grad_clip 0: no clipping)")
-        if len(self.betas) != 2 or not all(0 <= beta < 1 for beta in self.betas):
-            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
-        if not 0 <= self.warmup_fraction < 1:
-            raise ValueError(f"warmup_fraction must lie in [0, 1), got {self.warmup_fraction}")
-        if self.compression not in (None, "bf16", "int8"):
-            raise ValueError(f"compression must be bf16 or int8, not {self.compression!r}")
-        if self.mode == "diloco":
-            self.check_outer()
+        return self.inner.steps * self.data.global_batch * self.data.seq_len
 
     def check_budget(self, parameter_count: int | None) -> None:
         """At least one round: ``tokens >= H * global_batch * seq_len``."""
         budget = self.token_budget(parameter_count)
         if self.total_rounds(parameter_count) < 1:
             raise ValueError(
-                f"token budget {budget:,} is less than one round: {self.inner_steps} inner steps x "
-                f"{self.global_batch} sequences x {self.seq_len} tokens = "
+                f"token budget {budget:,} is less than one round: {self.inner.steps} inner steps"
+                f" x {self.data.global_batch} sequences x {self.data.seq_len} tokens = "
                 f"{self.tokens_per_round():,} tokens"
             )
 
-    def check_outer(self) -> None:
-        if not self.outer_lr > 0:
-            raise ValueError(f"outer_lr must be > 0, got {self.outer_lr}")
-        if not 0 <= self.outer_momentum < 1:
-            raise ValueError(f"outer_momentum must lie in [0, 1), got {self.outer_momentum}")
-        if self.nesterov and self.outer_momentum == 0:
-            raise ValueError("nesterov needs outer_momentum > 0 (use --no-nesterov)")
-        try:
-            get_method(self.aggregator, **self.aggregator_options)
-        except ValueError as error:
-            raise ValueError(f"aggregator: {error}") from None
-        except TypeError as error:
-            raise ValueError(f"aggregator options {self.aggregator_options}: {error}") from None
-
-    # -- (de)serialisation ----------------------------------------------------------------------
+    # -- flat names -----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        values = dataclasses.asdict(self)
-        values["betas"] = list(self.betas)
+        """The flat options (as config.json holds them)."""
+        values = {
+            flat: getattr(getattr(self, section), name)
+            for flat, (section, name) in FLAT_KEYS.items()
+        }
+        values["betas"] = list(self.inner.betas)
+        values["aggregator_options"] = dict(self.outer.aggregator_options)
         return values
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> TrainConfig:
+        """From flat options (checked and converted by :func:`coerce_values`); missing ones
+        take the defaults."""
+        sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+        for flat, value in coerce_values(dict(values)).items():
+            section, name = FLAT_KEYS[flat]
+            sections[section][name] = value
+        return cls(**{name: SECTIONS[name](**fields) for name, fields in sections.items()})
+
+    def replace(self, **flat: Any) -> TrainConfig:
+        """A copy with some flat options changed, validated."""
+        return TrainConfig.from_dict({**self.to_dict(), **flat})
 
     def run_defining(self) -> dict[str, Any]:
         """The fields that decide what is computed (all but :data:`RUNTIME_FIELDS`)."""
@@ -235,18 +183,18 @@ class TrainConfig:
             if theirs[name] != value
         ]
 
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> TrainConfig:
-        return cls(**coerce_values(dict(values)))
 
-
-def _check_choice(name: str, value: str, choices) -> None:
-    if value not in choices:
-        raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(choices)}")
+def default(flat: str) -> Any:
+    """The default of a flat option (CLI help reads it here)."""
+    section, name = FLAT_KEYS[flat]
+    return getattr(SECTIONS[section](), name)
 
 
 # -- filling a config ---------------------------------------------------------------------------
-FIELD_TYPES = typing.get_type_hints(TrainConfig)
+FIELD_TYPES = {
+    flat: typing.get_type_hints(SECTIONS[section])[name]
+    for flat, (section, name) in FLAT_KEYS.items()
+}
 
 
 def coerce_values(values: dict[str, Any], source: str = "config") -> dict[str, Any]:
@@ -345,16 +293,14 @@ def resolve_config(config_file: str | Path | None = None, **overrides: Any) -> T
             base.update(coerce_values(json.loads(saved.read_text()), str(saved)))
     if "preset" in explicit:
         preset = explicit["preset"]
-        _check_choice("preset", preset, PRESETS)
+        check_choice("preset", preset, PRESETS)
         base.update({key: TrainConfig().to_dict()[key] for key in PRESET_KEYS})
         base.update(PRESETS[preset])
     if explicit.get("aggregator", base["aggregator"]) != base["aggregator"]:
         base["aggregator_options"] = {}
     values = {**base, **explicit}
     values["aggregator_options"] = {**base.get("aggregator_options", {}), **options}
-    config = TrainConfig.from_dict(values)
-    config.validate()
-    return config
+    return TrainConfig.from_dict(values)
 
 
 def preset_config(preset: str = "diloco", **overrides: Any) -> TrainConfig:

@@ -28,6 +28,14 @@ from mergekit_loco.methods import MergeMethod, get_method
 from mergekit_loco.task_vector import TaskVector
 from mergekit_loco.train.aggregate import CommStats, aggregate_worker_deltas
 
+#: What the outer step may communicate: exact (None), bfloat16, or int8 with per-row scales.
+COMPRESSIONS = (None, "bf16", "int8")
+
+
+def check_compression(compression: str | None) -> None:
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"compression must be bf16 or int8, not {compression!r}")
+
 
 def resolve_aggregator(
     aggregator: str | MergeMethod, options: Mapping[str, Any] | None = None
@@ -86,8 +94,7 @@ class DiLoCo:
     ):
         if sync_every < 1:
             raise ValueError(f"sync_every must be >= 1, got {sync_every}")
-        if compression not in (None, "bf16", "int8"):
-            raise ValueError(f"compression must be bf16 or int8, not {compression!r}")
+        check_compression(compression)
         named = dict(model.named_parameters())
         excluded = set(exclude)
         unknown = sorted(excluded - set(named))
@@ -96,12 +103,12 @@ class DiLoCo:
         self.params = {
             name: p for name, p in named.items() if p.requires_grad and name not in excluded
         }
-        trainable = {id(p) for p in self.params.values()}
+        allowed = {id(p) for n, p in named.items() if n not in excluded}  # frozen: grad None
         for group in outer_optimizer.param_groups:
-            if any(id(p) not in trainable for p in group["params"]):
+            if any(id(p) not in allowed for p in group["params"]):
                 raise ValueError(
-                    "outer_optimizer holds a tensor that is not a trainable, non-excluded "
-                    "parameter of the model"
+                    "outer_optimizer holds a tensor that is not a parameter of the model or is "
+                    "excluded (it would step on the inner gradient)"
                 )
         self.model = model
         self.inner_optimizers = (

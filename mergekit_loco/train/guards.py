@@ -84,7 +84,7 @@ def check_not_exploded(norm_before: float, norm_after: float, round_number: int)
 
 def check_data_left(workers: list[Worker], config: TrainConfig, rounds_left: int) -> None:
     """Every worker's shard must hold the tokens of the rounds still to run (before any step)."""
-    needed = rounds_left * config.inner_steps * config.worker_batch * config.seq_len
+    needed = rounds_left * config.inner.steps * config.worker_batch * config.data.seq_len
     for worker in workers:
         if worker.stream.tokens_left < needed:
             raise DataExhausted(

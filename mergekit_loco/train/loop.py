@@ -52,12 +52,11 @@ class TrainResult:
 
 def train(config: TrainConfig, progress: bool = True) -> TrainResult:
     """Run (or resume) the training ``config`` describes; see docs/training.md."""
-    config.validate()
     started = time.perf_counter()
-    show = progress and not config.quiet
+    show = progress and not config.run.quiet
     with open_worker_group(config) as group, StopSignals(enabled=not group.distributed) as stop:
         run = start_run(config, group)
-        steps_per_round = config.inner_steps * (len(run.workers) if run.driver else 1)
+        steps_per_round = config.inner.steps * (len(run.workers) if run.driver else 1)
         display = ProgressDisplay(show and group.is_main, run.rounds, steps_per_round,
                                   run.start_round)  # fmt: skip
         driving = run.driver or contextlib.nullcontext()
@@ -77,7 +76,7 @@ def train(config: TrainConfig, progress: bool = True) -> TrainResult:
                                    run.round_number)  # fmt: skip
                 run.completed = run.round_number
                 log_round(run, train_loss, round_seconds)
-                if config.stop_after == run.completed:
+                if config.run.stop_after == run.completed:
                     break
         return finish(run, started, summary=show and group.is_main)
 
@@ -90,7 +89,7 @@ def run_round(run: Run, display: ProgressDisplay, stop: StopSignals) -> float:
                               stop)  # fmt: skip
     else:
         loss_sum = sum(turns.worker_turn(run.model, w, config, display, stop) for w in run.workers)
-        loss = group.sum([loss_sum])[0] / config.workers
+        loss = group.sum([loss_sum])[0] / config.run.workers
     check_finite_loss(loss, run.round_number)
     return loss
 
@@ -113,14 +112,14 @@ def log_round(run: Run, train_loss: float, round_seconds: float) -> None:
         tokens_per_second=config.tokens_per_round() / round_seconds,
         **communication_metrics(run),
     )
-    if config.eval_every and completed % config.eval_every == 0 and completed < run.rounds:
+    if config.run.eval_every and completed % config.run.eval_every == 0 and completed < run.rounds:
         if run.group.is_main:
             val_loss = turns.evaluate(run.model, run.data, config)
             run.metrics.write(event="eval", round=completed, val_loss=val_loss)
-    every = config.checkpoint_every
+    every = config.checkpoint.every
     if (
         completed == run.rounds
-        or config.stop_after == completed
+        or config.run.stop_after == completed
         or (every and completed % every == 0)
     ):
         run.save(completed)
@@ -147,8 +146,10 @@ def finish(run: Run, started: float, summary: bool) -> TrainResult:
     if summary:
         rounds_s, outer_s = run.seconds["round"], run.seconds["outer"]
         rows = {
-            "aggregator": "data-parallel AdamW" if config.mode == "dp" else config.aggregator,
-            "workers x inner steps": f"{config.workers} x {config.inner_steps}",
+            "aggregator": "data-parallel AdamW"
+            if config.run.mode == "dp"
+            else config.outer.aggregator,
+            "workers x inner steps": f"{config.run.workers} x {config.inner.steps}",
             "rounds": str(result.rounds),
             "tokens": f"{result.tokens:,}",
             "final val loss": f"{result.val_loss:.4f}",
@@ -157,7 +158,7 @@ def finish(run: Run, started: float, summary: bool) -> TrainResult:
             "params sha256": result.checksum[:16],
             "output": str(result.out),
         }
-        print_summary(rows, title=f"{config.preset} on {config.model}")
+        print_summary(rows, title=f"{config.run.preset} on {config.model.name}")
     return result
 
 
@@ -170,12 +171,14 @@ def communication_metrics(run: Run) -> dict:
     config = run.config
     if run.driver is None:
         model_bytes = sum(t.numel() * t.element_size() for t in run.global_params.values())
-        ring = 2 * (config.workers - 1) / config.workers * model_bytes
-        return {"comm_bytes_sent": int(config.inner_steps * ring), "comm_plan": "all-reduce"}
+        ring = 2 * (config.run.workers - 1) / config.run.workers * model_bytes
+        return {"comm_bytes_sent": int(config.inner.steps * ring), "comm_plan": "all-reduce"}
     stats = run.driver.last_comm_stats
     if stats is None or stats.plan == "local":
         layout = [(name, t.shape, t.dtype) for name, t in run.global_params.items()]
-        stats = modelled_comm_stats(run.driver.method, layout, config.workers, config.compression)
+        stats = modelled_comm_stats(
+            run.driver.method, layout, config.run.workers, config.outer.compression
+        )
     return {
         "comm_bytes_sent": stats.bytes_sent,
         "comm_bytes_naive": stats.bytes_naive,

@@ -1,4 +1,5 @@
-"""Llama model presets, seeded construction and a bit-exact parameter checksum.
+"""Model presets (Llama) or any Hugging Face causal-LM config, seeded construction and a
+bit-exact parameter checksum.
 
 Every preset is a Hugging Face ``LlamaForCausalLM`` with untied embeddings, RMSNorm (eps 1e-5),
 RoPE, SwiGLU, no biases and full multi-head attention (``num_key_value_heads == heads``), as in
@@ -14,7 +15,9 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 _COMMON = {
     "tie_word_embeddings": False,
@@ -76,26 +79,42 @@ def model_config(
     vocab_size: int,
     bos_id: int | None = None,
     eos_id: int | None = None,
-) -> LlamaConfig:
-    """The LlamaConfig of a preset name or of a JSON file (a config.json or plain kwargs).
+) -> PretrainedConfig:
+    """The model config of a preset name or of a JSON file (a Hugging Face config.json or plain
+    kwargs, or a folder holding one).
 
-    A JSON file's keys override the house defaults (untied embeddings, eps 1e-5, no biases);
-    ``vocab_size``, ``bos_id`` and ``eos_id`` override both.
+    Presets and files without ``model_type`` (or with "llama") are Llamas: the file's keys
+    override the house defaults (untied embeddings, eps 1e-5, no biases). Any other causal-LM
+    ``model_type`` transformers knows (gpt2, qwen2, mistral, ...) takes the file's keys over
+    transformers' defaults for that model. ``vocab_size``, ``bos_id`` and ``eos_id`` override
+    both. Only transformers' own model classes are used (no remote code).
     """
     if spec in MODEL_PRESETS:
         kwargs = dict(MODEL_PRESETS[spec])
     else:
-        kwargs = {**_COMMON, **_read_config_file(spec)}
+        kwargs = _read_config_file(spec)
+    model_type = kwargs.pop("model_type", "llama")
     if vocab_size < 1:
         raise ValueError(f"model {spec!r}: vocab_size must be >= 1, got {vocab_size}")
-    kwargs.update(vocab_size=vocab_size, bos_token_id=bos_id, eos_token_id=eos_id)
-    kwargs.setdefault("num_key_value_heads", kwargs.get("num_attention_heads"))
-    kwargs.pop("model_type", None)
     kwargs.pop("architectures", None)
+    if model_type == "llama":
+        kwargs = {**_COMMON, **kwargs}
+        kwargs.setdefault("num_key_value_heads", kwargs.get("num_attention_heads"))
+    kwargs.update(vocab_size=vocab_size, bos_token_id=bos_id, eos_token_id=eos_id)
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(f"model {spec!r}: transformers knows no model_type {model_type!r}")
     try:
-        return LlamaConfig(**kwargs, attn_implementation=ATTENTION_IMPLEMENTATION)
+        config = AutoConfig.for_model(
+            model_type, **kwargs, attn_implementation=ATTENTION_IMPLEMENTATION
+        )
     except Exception as error:  # transformers validates with its own exception types
-        raise ValueError(f"model {spec!r}: invalid Llama config: {error}") from error
+        raise ValueError(f"model {spec!r}: invalid {model_type!r} config: {error}") from error
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ValueError(
+            f"model {spec!r}: model_type {model_type!r} is not a causal language model "
+            "(AutoModelForCausalLM cannot build it)"
+        )
+    return config
 
 
 def _read_config_file(spec: str) -> dict:
@@ -111,21 +130,15 @@ def _read_config_file(spec: str) -> dict:
         raise ValueError(f"model config {str(path)!r} is not valid JSON: {error}") from error
     if not isinstance(kwargs, dict):
         raise ValueError(f"model config {str(path)!r} must hold a JSON object (presets: {presets})")
-    if kwargs.get("model_type", "llama") != "llama":
-        raise ValueError(
-            f"model config {str(path)!r} has model_type {kwargs['model_type']!r}; only 'llama'"
-        )
     return kwargs
 
 
-def build_model(config: LlamaConfig, seed: int) -> LlamaForCausalLM:
-    """A float32 LlamaForCausalLM initialised from ``seed`` alone, leaving the global RNG untouched.
-
-    The same config and seed give bit-identical parameters on every process.
-    """
+def build_model(config: PretrainedConfig, seed: int) -> PreTrainedModel:
+    """A float32 causal LM of ``config`` initialised from ``seed`` alone, leaving the global RNG
+    untouched. The same config and seed give bit-identical parameters on every process."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     return model.to(torch.float32)
 
 

@@ -32,19 +32,19 @@ def worker_turn(
     device = next(model.parameters()).device
     worker.inner.to(device)
     loss_sum = torch.zeros((), device=device)
-    for step in range(config.inner_steps):
+    for step in range(config.inner.steps):
         batch = worker.stream.next_batch(config.worker_batch).to(device, non_blocking=True)
         with autocast(device):
             loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
-        clip_gradients(model, config.grad_clip)
+        clip_gradients(model, config.inner.grad_clip)
         worker.inner.step()
         loss_sum += loss.detach()
         stop.check()
-        display.advance(worker.index, step, loss, config.worker_batch * config.seq_len)
+        display.advance(worker.index, step, loss, config.worker_batch * config.data.seq_len)
     if device.type != "cpu":
         worker.inner.to("cpu")
-    return loss_sum.item() / config.inner_steps
+    return loss_sum.item() / config.inner.steps
 
 
 def dp_round(
@@ -61,26 +61,28 @@ def dp_round(
     Each process computes the loss of its workers' share of the batch, scaled by that share
     (``len(workers) / R``), so the gradients summed over processes are the global batch's."""
     device = next(model.parameters()).device
-    share = len(workers) / config.workers
+    share = len(workers) / config.run.workers
     loss_sum = torch.zeros((), device=device)
-    for step in range(config.inner_steps):
+    for step in range(config.inner.steps):
         batch = torch.cat([w.stream.next_batch(config.worker_batch) for w in workers]).to(device)
         with autocast(device):
             loss = model(input_ids=batch, labels=batch).loss * share
         loss.backward()
         group.all_reduce_gradients(model)
-        clip_gradients(model, config.grad_clip)
+        clip_gradients(model, config.inner.grad_clip)
         optimizer.step()
         loss_sum += loss.detach()
         stop.check()
         display.advance(0, step, loss / share, batch.numel() / share)
-    return group.sum([loss_sum.item()])[0] / config.inner_steps
+    return group.sum([loss_sum.item()])[0] / config.inner.steps
 
 
 def evaluate(model: torch.nn.Module, data: PreparedData, config: TrainConfig) -> float:
     """Token-weighted validation NLL of the model (at a round's end: the global parameters)."""
     device = next(model.parameters()).device
-    return evaluate_loss(model, data.val, config.seq_len, EVAL_BATCH, config.val_tokens, device)
+    return evaluate_loss(
+        model, data.val, config.data.seq_len, EVAL_BATCH, config.data.val_tokens, device
+    )
 
 
 def clip_gradients(model: torch.nn.Module, max_norm: float) -> None:

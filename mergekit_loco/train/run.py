@@ -67,7 +67,7 @@ class Run:
 
     @property
     def out(self) -> Path:
-        return Path(self.config.out)
+        return Path(self.config.run.out)
 
     @property
     def distributed(self) -> bool:
@@ -98,7 +98,7 @@ class Run:
             workers={w.index: worker_state(w) for w in self.workers},
             rng=rng_state(),
         )
-        path = save_checkpoint(self.out, state, self.group, self.config.keep_checkpoints)
+        path = save_checkpoint(self.out, state, self.group, self.config.checkpoint.keep)
         self.last_saved = (completed, path)
         return path
 
@@ -112,7 +112,8 @@ class Run:
         if set(saved.global_params) != set(self.global_params):
             raise ValueError(f"checkpoint {path} holds other tensors than the model")
         if self.driver is not None:
-            self.driver.load_state_dict({**saved.shared, "global_params": saved.global_params})
+            shared = driver_state(saved.shared, self.driver)
+            self.driver.load_state_dict({**shared, "global_params": saved.global_params})
         else:
             with torch.no_grad():
                 for name, tensor in self.global_params.items():
@@ -129,6 +130,25 @@ class Run:
         self.last_saved = (saved.round, path)
 
 
+def driver_state(shared: dict, driver: DiLoCo) -> dict:
+    """A checkpoint's outer state as :meth:`DiLoCo.load_state_dict` takes it. Checkpoints written
+    before the driver hold the OuterOptimizer's ``{steps_taken, momentum_buffers by name}``: the
+    same SGD state, the buffers indexed by the position of their parameter in the driver."""
+    if "momentum_buffers" not in shared:
+        return shared
+    buffers = shared["momentum_buffers"]
+    state = {
+        i: {"momentum_buffer": buffers[n]} for i, n in enumerate(driver.params) if n in buffers
+    }
+    param_groups = driver.outer_optimizer.state_dict()["param_groups"]
+    return {
+        "local_steps": 0,
+        "outer_steps": int(shared["steps_taken"]),
+        "pending": [],
+        "outer": {"state": state, "param_groups": param_groups},
+    }
+
+
 def worker_state(worker: Worker) -> dict:
     return {
         "data": worker.stream.state_dict(),
@@ -139,21 +159,21 @@ def worker_state(worker: Worker) -> dict:
 def start_run(config: TrainConfig, group: WorkerGroup) -> Run:
     """Build (or resume) the run ``config`` describes. Every check that needs no training runs
     before ``out`` is touched, so a run that cannot start leaves it as it found it."""
-    out = Path(config.out)
+    out = Path(config.run.out)
     resume_from = check_output(out, config)
-    torch.manual_seed(config.seed)
+    torch.manual_seed(config.run.seed)
     tokenizer_path, tokenizer = main_process_first(group, lambda: find_tokenizer(config))
     model = load_model(config, tokenizer).to(group.device).train()
     config.check_budget(count_parameters(model))
     rounds = config.total_rounds(count_parameters(model))
-    steps = rounds * config.inner_steps
-    diloco = config.mode == "diloco"
+    steps = rounds * config.inner.steps
+    diloco = config.run.mode == "diloco"
     dp_optimizer = None if diloco else InnerOptimizer(model, config, steps)
     data = main_process_first(group, lambda: load_data(config, tokenizer_path, rounds))
     workers = [
         Worker(
             index,
-            BatchStream(worker_shard(data.train, index, config.workers), config.seq_len),
+            BatchStream(worker_shard(data.train, index, config.run.workers), config.data.seq_len),
             InnerOptimizer(model, config, steps) if diloco else None,
         )
         for index in group.worker_ids
@@ -175,19 +195,19 @@ def make_driver(config: TrainConfig, model: torch.nn.Module, inner: list[InnerOp
     """DiLoCo with ``config``'s aggregator and torch SGD / Nesterov as the outer optimizer,
     after a shape-only dry run of the aggregator on R meta tensors (so that e.g. TSV with more
     workers than a matrix has rows fails before any compute). DARE's masks follow the run seed."""
-    options = dict(config.aggregator_options)
-    if "seed" in METHODS[config.aggregator].parameter_names():
-        options.setdefault("seed", config.seed)
+    options = dict(config.outer.aggregator_options)
+    if "seed" in METHODS[config.outer.aggregator].parameter_names():
+        options.setdefault("seed", config.run.seed)
     params = [p for p in model.parameters() if p.requires_grad]
     outer = torch.optim.SGD(
-        params, lr=config.outer_lr, momentum=config.outer_momentum, nesterov=config.nesterov
+        params, lr=config.outer.lr, momentum=config.outer.momentum, nesterov=config.outer.nesterov
     )
     driver = DiLoCo(
-        model, inner, outer, aggregator=config.aggregator, sync_every=config.inner_steps,
-        aggregator_options=options, compression=config.compression,
+        model, inner, outer, aggregator=config.outer.aggregator, sync_every=config.inner.steps,
+        aggregator_options=options, compression=config.outer.compression,
     )  # fmt: skip
     shapes = TaskVector({n: torch.empty(t.shape, device="meta") for n, t in driver.params.items()})
-    driver.method.merge([shapes] * config.workers)
+    driver.method.merge([shapes] * config.run.workers)
     return driver
 
 
@@ -203,37 +223,39 @@ def main_process_first(group: WorkerGroup, load):
 
 def find_tokenizer(config: TrainConfig) -> tuple[str | None, PreTrainedTokenizerBase]:
     """``--tokenizer``, else the ``--init`` folder's tokenizer, else a BPE trained on the data."""
-    path = config.tokenizer
-    if path is None and config.init is not None:
-        init = Path(config.init)
+    path = config.data.tokenizer
+    if path is None and config.model.init is not None:
+        init = Path(config.model.init)
         if any((init / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
             path = str(init)
     if path is not None:
         return path, load_tokenizer(path)
-    return None, load_or_train_tokenizer(config.data, config.vocab_size)
+    return None, load_or_train_tokenizer(config.data.source, config.data.vocab_size)
 
 
 def load_model(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> torch.nn.Module:
-    """A fresh seeded model of ``config.model``, or the ``config.init`` checkpoint (an HF folder
-    with config.json, or weights matching ``config.model``), in float32."""
+    """A fresh seeded model of ``config.model.name``, or the ``config.model.init`` checkpoint
+    (an HF folder with config.json, or weights matching the model), in float32."""
     vocab = len(tokenizer)
-    model_spec = model_config(config.model, vocab, tokenizer.bos_token_id, tokenizer.eos_token_id)
-    if config.init is None:
-        return build_model(model_spec, config.seed)
-    init = Path(config.init)
+    model_spec = model_config(
+        config.model.name, vocab, tokenizer.bos_token_id, tokenizer.eos_token_id
+    )
+    if config.model.init is None:
+        return build_model(model_spec, config.run.seed)
+    init = Path(config.model.init)
     if (init / "config.json").is_file():
         model = AutoModelForCausalLM.from_pretrained(
             init, dtype=torch.float32, local_files_only=True, trust_remote_code=False
         )
     else:
-        model = build_model(model_spec, config.seed)
+        model = build_model(model_spec, config.run.seed)
         with open_checkpoint(init) as reader:
             weights = {name: reader.get(name) for name in reader.names()}
         result = model.load_state_dict(weights, strict=False)
         problems = [*result.missing_keys, *result.unexpected_keys]
         if problems:
             raise ValueError(
-                f"init checkpoint {init} does not fit model {config.model!r}: tensor "
+                f"init checkpoint {init} does not fit model {config.model.name!r}: tensor "
                 f"{problems[0]!r} is {'missing' if result.missing_keys else 'unexpected'}"
             )
     if model.config.vocab_size < vocab:
@@ -249,13 +271,13 @@ def load_data(config: TrainConfig, tokenizer_path: str | None, rounds: int) -> P
     train_tokens = rounds * config.tokens_per_round()
     try:
         return prepare_data(
-            config.data,
+            config.data.source,
             tokenizer=tokenizer_path,
             max_train_tokens=train_tokens,
-            val_tokens=config.val_tokens,
-            vocab_size=config.vocab_size,
-            seed=config.seed,
-            val_seed=config.val_seed,
+            val_tokens=config.data.val_tokens,
+            vocab_size=config.data.vocab_size,
+            seed=config.run.seed,
+            val_seed=config.data.val_seed,
         )
     except ValueError as error:
         raise ValueError(

@@ -21,19 +21,19 @@ from mergekit_loco.train.workers import WorkerGroup
 def check_output(out: Path, config: TrainConfig) -> Path | None:
     """The checkpoint to resume from (``resume``), else make sure ``out`` holds no other run
     (unless ``force``). Refuses a resume whose run-defining config differs. Writes nothing."""
-    if config.resume:
+    if config.checkpoint.resume:
         checkpoint = latest_checkpoint(out)
         if checkpoint is None:
             raise ValueError(f"nothing to resume: {out / CHECKPOINTS} holds no checkpoint")
         changes = config.differences(read_state(checkpoint)["config"])
-        if changes and not config.allow_config_change:
+        if changes and not config.checkpoint.allow_config_change:
             raise ValueError(
                 f"{checkpoint} was written with another config ({'; '.join(changes)}); "
                 "pass the same options, or --allow-config-change to resume anyway"
             )
         return checkpoint
     previous = previous_run(out)
-    if previous and not config.force:
+    if previous and not config.checkpoint.force:
         raise ValueError(
             f"{out} already holds a run ({', '.join(p.name for p in previous)}); pass --resume "
             "to continue it, --force to start over, or choose another --out"
@@ -50,7 +50,7 @@ def claim_output(out: Path, config: TrainConfig, group: WorkerGroup) -> None:
     every check has passed, so a run that cannot start leaves ``out`` as it found it."""
     if group.is_main:
         out.mkdir(parents=True, exist_ok=True)
-        if not config.resume:
+        if not config.checkpoint.resume:
             for path in previous_run(out):
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
     group.barrier()

@@ -27,26 +27,30 @@ from mergekit_loco.train.config import TrainConfig
 from mergekit_loco.train.data import BatchStream
 from mergekit_loco.train.schedule import WarmupCosine
 
-#: Muon suits hidden matrices; embeddings and the output head stay with AdamW.
-MUON_EXCLUDED = ("embed_tokens", "lm_head")
+
+def embedding_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The input and output embeddings and every other ``nn.Embedding`` (positions): Muon suits
+    hidden matrices only, these stay with AdamW."""
+    found = [m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    output = getattr(model, "get_output_embeddings", lambda: None)()
+    return found + ([output.weight] if output is not None else [])
 
 
 class InnerOptimizer:
     """One worker's inner optimizer(s) with the warmup-cosine schedule over ``total_steps``.
 
     ``adamw``: AdamW(betas, weight_decay) on every parameter. ``muon``: torch.optim.Muon on the
-    hidden 2-D matrices (lr matched to AdamW's RMS, so the same ``inner_lr`` works) and AdamW
-    on the rest. All optimizers act on the shared compute model's parameters; each instance
-    keeps its own state.
+    hidden 2-D matrices, not the embeddings nor the output head (lr matched to AdamW's RMS, so
+    the same ``inner_lr`` works), and AdamW on the rest. All optimizers act on the shared
+    compute model's parameters; each instance keeps its own state.
     """
 
     def __init__(self, model: torch.nn.Module, config: TrainConfig, total_steps: int):
-        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-        adamw_params, muon_params = [p for _, p in named], []
-        if config.inner_optimizer == "muon":
-            muon_params = [
-                p for n, p in named if p.ndim == 2 and not any(x in n for x in MUON_EXCLUDED)
-            ]
+        params = [p for p in model.parameters() if p.requires_grad]
+        adamw_params, muon_params = params, []
+        if config.inner.optimizer == "muon":
+            embeddings = {id(p) for p in embedding_parameters(model)}
+            muon_params = [p for p in params if p.ndim == 2 and id(p) not in embeddings]
             muon_ids = {id(p) for p in muon_params}
             adamw_params = [p for p in adamw_params if id(p) not in muon_ids]
         self.optimizers: list[torch.optim.Optimizer] = []
@@ -54,22 +58,22 @@ class InnerOptimizer:
             self.optimizers.append(
                 torch.optim.AdamW(
                     adamw_params,
-                    lr=config.inner_lr,
-                    betas=config.betas,
-                    weight_decay=config.weight_decay,
+                    lr=config.inner.lr,
+                    betas=config.inner.betas,
+                    weight_decay=config.inner.weight_decay,
                 )
             )
         if muon_params:
             self.optimizers.append(
                 torch.optim.Muon(
                     muon_params,
-                    lr=config.inner_lr,
-                    weight_decay=config.weight_decay,
+                    lr=config.inner.lr,
+                    weight_decay=config.inner.weight_decay,
                     adjust_lr_fn="match_rms_adamw",
                 )
             )
         self.schedulers = [
-            LambdaLR(optimizer, WarmupCosine(total_steps, config.warmup_fraction))
+            LambdaLR(optimizer, WarmupCosine(total_steps, config.inner.warmup_fraction))
             for optimizer in self.optimizers
         ]
 
@@ -289,7 +293,7 @@ def launched_by_torchrun() -> bool:
 
 def open_worker_group(config: TrainConfig) -> WorkerGroup:
     """Torchrun workers when started by torchrun with more than one process, else simulated."""
-    device = resolve_device(config.device)
+    device = resolve_device(config.run.device)
     if launched_by_torchrun():
-        return TorchrunWorkers(config.workers, device, config.timeout)
-    return SimulatedWorkers(config.workers, device)
+        return TorchrunWorkers(config.run.workers, device, config.run.timeout)
+    return SimulatedWorkers(config.run.workers, device)

@@ -1,0 +1,168 @@
+"""The six sections of a run's configuration, each a frozen dataclass that checks its own
+fields when it is built (cross-section checks and the flat option names: train/config.py).
+Their defaults are the only defaults; the error messages use the flat option names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from mergekit_loco.methods import get_method
+from mergekit_loco.train.diloco import check_compression
+
+MODES = ("diloco", "dp")
+INNER_OPTIMIZERS = ("adamw", "muon")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def check_choice(name: str, value: str, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(choices)}")
+
+
+def _check_at_least(minimum: int, **values: int) -> None:
+    """``values``: flat option name -> value."""
+    for name, value in values.items():
+        if value < minimum:
+            raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """``name``: a preset (micro, nano, 178m, 512m) or a causal-LM config.json; ``init``: start
+    from this HF folder / safetensors file instead of a fresh init (fine-tuning)."""
+
+    name: str = "nano"
+    init: str | None = None
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """The documents (``source``), tokenizer, validation hold-out, batch shape and token budget:
+    ``tokens`` (2M unless ``chinchilla``), or ``chinchilla`` tokens per model parameter (the
+    paper uses 20). ``global_batch`` sequences per inner step summed over the workers."""
+
+    source: str = "stdlib"
+    tokenizer: str | None = None
+    vocab_size: int = 4096
+    val_tokens: int = 65536
+    seq_len: int = 128
+    global_batch: int = 64
+    tokens: int | None = None
+    chinchilla: float | None = None
+    #: seed of the validation documents (None: the run's seed); one value shares them across seeds.
+    val_seed: int | None = None
+
+    def __post_init__(self):
+        _check_at_least(1, vocab_size=self.vocab_size, global_batch=self.global_batch)
+        _check_at_least(2, seq_len=self.seq_len)
+        if self.val_tokens < self.seq_len:
+            raise ValueError(
+                f"val_tokens must be >= seq_len ({self.seq_len}), got {self.val_tokens}"
+            )
+        if self.tokens is not None and self.chinchilla is not None:
+            raise ValueError("set the token budget with tokens or chinchilla, not both")
+        if self.tokens is not None and self.tokens < 1:
+            raise ValueError(f"tokens must be >= 1, got {self.tokens}")
+        if self.chinchilla is not None and self.chinchilla <= 0:
+            raise ValueError(f"chinchilla must be > 0, got {self.chinchilla}")
+
+
+@dataclass(frozen=True)
+class InnerConfig:
+    """Each worker's H = ``steps`` inner steps per round: AdamW (or Muon on hidden matrices)
+    with a warmup-cosine schedule peaking at ``lr``, gradient norm clip (0: off)."""
+
+    steps: int = 30
+    optimizer: str = "adamw"
+    lr: float = 1.38e-3
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    warmup_fraction: float = 0.1
+
+    def __post_init__(self):
+        check_choice("inner_optimizer", self.optimizer, INNER_OPTIMIZERS)
+        _check_at_least(1, inner_steps=self.steps)
+        if not self.lr > 0:
+            raise ValueError(f"inner_lr must be > 0, got {self.lr}")
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise ValueError("weight_decay and grad_clip must be >= 0 (grad_clip 0: no clipping)")
+        if len(self.betas) != 2 or not all(0 <= beta < 1 for beta in self.betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
+        if not 0 <= self.warmup_fraction < 1:
+            raise ValueError(f"warmup_fraction must lie in [0, 1), got {self.warmup_fraction}")
+
+
+@dataclass(frozen=True)
+class OuterConfig:
+    """The outer step: ``aggregator`` (a merge method with its options) merges the workers'
+    deltas; SGD with ``lr``, ``momentum`` (Nesterov or not) steps on ``-merged``.
+    ``compression``: what the outer step communicates, None (exact), "bf16" or "int8"."""
+
+    aggregator: str = "mean"
+    aggregator_options: dict[str, Any] = field(default_factory=dict)
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+    compression: str | None = None
+
+    def __post_init__(self):
+        if not self.lr > 0:
+            raise ValueError(f"outer_lr must be > 0, got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"outer_momentum must lie in [0, 1), got {self.momentum}")
+        if self.nesterov and self.momentum == 0:
+            raise ValueError("nesterov needs outer_momentum > 0 (use --no-nesterov)")
+        check_compression(self.compression)
+        try:
+            get_method(self.aggregator, **self.aggregator_options)
+        except ValueError as error:
+            raise ValueError(f"aggregator: {error}") from None
+        except TypeError as error:
+            raise ValueError(f"aggregator options {self.aggregator_options}: {error}") from None
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Checkpoint ``every`` N rounds (0: only at the end), keep the newest ``keep``; resume the
+    run in ``out`` (optionally with another config), or start over there (``force``)."""
+
+    every: int = 0
+    keep: int = 2
+    resume: bool = False
+    allow_config_change: bool = False
+    force: bool = False
+
+    def __post_init__(self):
+        _check_at_least(0, checkpoint_every=self.every)
+        _check_at_least(1, keep_checkpoints=self.keep)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """The run as a whole. ``mode`` "diloco": R = ``workers`` workers, an outer step per round;
+    "dp": one model on the whole global batch every step (the AdamW data-parallel baseline).
+    ``eval_every`` N rounds (0: only at the end); ``stop_after`` N completed rounds (with a
+    checkpoint; resume continues); ``timeout``: collective timeout in seconds (torchrun)."""
+
+    preset: str = "diloco"
+    mode: str = "diloco"
+    workers: int = 8
+    seed: int = 0
+    out: str = "runs/train"
+    eval_every: int = 0
+    stop_after: int | None = None
+    timeout: float = 1800.0
+    device: str = "auto"
+    quiet: bool = False
+
+    def __post_init__(self):
+        check_choice("mode", self.mode, MODES)
+        check_choice("device", self.device, DEVICES)
+        _check_at_least(1, workers=self.workers)
+        _check_at_least(0, eval_every=self.eval_every)
+        if self.stop_after is not None and self.stop_after < 1:
+            raise ValueError(f"stop_after must be >= 1, got {self.stop_after}")
+        if not self.timeout > 0:
+            raise ValueError(f"timeout must be > 0, got {self.timeout}")
