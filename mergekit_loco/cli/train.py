@@ -20,10 +20,10 @@ from mergekit_loco.cli.common import (
     print_error,
     user_errors,
 )
+from mergekit_loco.dist import CollectiveFailed
 from mergekit_loco.methods import list_methods
 from mergekit_loco.train.config import DEFAULT_TOKENS, PRESETS, default, resolve_config
 from mergekit_loco.train.loop import TrainingDiverged, TrainingInterrupted, train
-from mergekit_loco.train.workers import PeerLost
 
 #: The run failed while running (diverged, or a torchrun peer died or hung); the message names
 #: the last good checkpoint. Bad input is 2, an interruption 130.
@@ -236,7 +236,7 @@ def train_command(
     except TrainingInterrupted as stopped:
         print_error(one_line(stopped))
         raise typer.Exit(EXIT_INTERRUPTED) from None
-    except (TrainingDiverged, PeerLost) as failure:
+    except (TrainingDiverged, CollectiveFailed) as failure:
         if debug:
             raise
         print_error(one_line(failure))

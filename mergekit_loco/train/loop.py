@@ -16,9 +16,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from mergekit_loco.dist import modelled_comm_stats
 from mergekit_loco.run_layout import FINAL
 from mergekit_loco.train import rounds as turns
-from mergekit_loco.train.collectives import modelled_comm_stats
 from mergekit_loco.train.config import TrainConfig
 from mergekit_loco.train.guards import (
     TrainingDiverged,
