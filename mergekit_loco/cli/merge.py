@@ -1,27 +1,27 @@
-"""``mloco merge`` and ``mloco methods``."""
+"""``mloco merge``: flags -> :func:`mergekit_loco.merge.merge_checkpoints`.
+
+torch is imported when a merge runs, not for ``mloco merge --help`` or a usage error.
+"""
 
 from __future__ import annotations
 
 import re
-from dataclasses import fields
 from pathlib import Path
 from typing import Annotated
 
-import torch
 import typer
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
+from mergekit_loco.cli.catalog import method_catalog, method_names
+from mergekit_loco.cli.command import command_line
 from mergekit_loco.cli.common import Debug, Quiet, format_bytes, parse_choice, user_errors
-from mergekit_loco.io import DEFAULT_MAX_SHARD_BYTES
-from mergekit_loco.merge import MergeSummary, merge_checkpoints
-from mergekit_loco.methods import METHODS, list_methods, parse_options
 
-OUTPUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-COMPUTE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+OUTPUT_DTYPES = ("float32", "bfloat16", "float16")
+COMPUTE_DTYPES = ("float32", "float64")
 SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 SIZE_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+DEFAULT_SHARD_SIZE = "5GB"  # io.DEFAULT_MAX_SHARD_BYTES, spelled for --help (a test checks it)
 
 
 def parse_size(value: str) -> int:
@@ -32,7 +32,7 @@ def parse_size(value: str) -> int:
     return int(float(match.group(1)) * SIZE_UNITS[match.group(2).lower()])
 
 
-def print_summary(summary: MergeSummary) -> None:
+def print_summary(summary) -> None:
     table = Table(title=f"merged {summary.models} models with {summary.method}", show_header=False)
     table.add_column(style="bold")
     table.add_column()
@@ -44,20 +44,42 @@ def print_summary(summary: MergeSummary) -> None:
     Console().print(table)
 
 
+def default_output(models: list[Path], base: Path | None, method: str) -> Path:
+    """``merged-METHOD.safetensors`` if the base (or first model) is one file, else a folder."""
+    reference = base if base is not None else models[0]
+    return Path(f"merged-{method}{'.safetensors' if reference.suffix == '.safetensors' else ''}")
+
+
+def missing_base(ctx: typer.Context, method: str) -> str | None:
+    """The message for a method that needs ``--base`` run without one: the corrected command."""
+    info = next((info for info in method_catalog() if info.name == method), None)
+    if info is None or not info.needs_base:
+        return None
+    return (
+        f"--method {method} merges task vectors (model - base), so it needs --base: the "
+        f"pre-trained checkpoint the models were fine-tuned from. Run: "
+        f"{command_line(ctx, '--base', 'BASE')} (only --method mean needs no base)"
+    )
+
+
 @user_errors
 def merge(
+    ctx: typer.Context,
     models: Annotated[
         list[Path], typer.Argument(help="Fine-tuned checkpoints: .safetensors files or HF folders.")
     ],
-    output: Annotated[
-        Path,
-        typer.Option(
-            "--output", "-o", help="Output: a .safetensors file, or a folder (sharded, with index)."
-        ),
-    ],
     method: Annotated[
-        str, typer.Option("--method", "-m", help=f"One of: {', '.join(list_methods())}.")
+        str, typer.Option("--method", "-m", help=f"One of: {', '.join(method_names())}.")
     ],
+    output: Annotated[
+        Path | None,
+        typer.Option(
+            "--output",
+            "-o",
+            help="Output: a .safetensors file, or a folder (sharded, with index). Default: "
+            "merged-METHOD.safetensors for .safetensors inputs, else the folder merged-METHOD.",
+        ),
+    ] = None,
     base: Annotated[
         Path | None,
         typer.Option(help="The pre-trained checkpoint the models were fine-tuned from."),
@@ -93,12 +115,14 @@ def merge(
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     shard_size: Annotated[
         str, typer.Option(help="Largest shard of a folder output, e.g. 5GB, 500MB.")
-    ] = f"{DEFAULT_MAX_SHARD_BYTES // 10**9}GB",
+    ] = DEFAULT_SHARD_SIZE,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
     quiet: Quiet = False,
     debug: Debug = False,
 ) -> None:
     """Merge fine-tunes of one base: theta = base + scale * method(model_t - base)."""
+    if base is None and (message := missing_base(ctx, method)):
+        raise ValueError(message)
     given = {
         "density": density,
         "gamma": gamma,
@@ -107,46 +131,45 @@ def merge(
         "seed": seed,
         "rank_aware": rank_aware or None,
     }
+    out_dtype = parse_choice("--dtype", dtype, OUTPUT_DTYPES) if dtype is not None else None
+    math_dtype = parse_choice("--compute-dtype", compute_dtype, COMPUTE_DTYPES)
+    max_shard_bytes = parse_size(shard_size)
+    if output is None and models:
+        output = default_output(models, base, method)
+        if not quiet:
+            typer.echo(f"writing {output} (no -o given)")
+
+    import torch
+
+    from mergekit_loco.io import OutputExistsError
+    from mergekit_loco.merge import merge_checkpoints
+    from mergekit_loco.methods import parse_options
+
     given = {name: value for name, value in given.items() if value is not None}
     for key, value in parse_options(method, option or []).items():
         if key in given:
             raise ValueError(f"--option {key}={value}: {key!r} is also given as a flag")
         given[key] = value
-    summary = merge_checkpoints(
-        models,
-        base,
-        method,
-        output,
-        scale=scale,
-        dtype=parse_choice("--dtype", dtype, OUTPUT_DTYPES) if dtype is not None else None,
-        compute_dtype=parse_choice("--compute-dtype", compute_dtype, COMPUTE_DTYPES),
-        device=device,
-        force=force,
-        progress=not quiet,
-        max_shard_bytes=parse_size(shard_size),
-        **given,
-    )
+
+    try:
+        summary = merge_checkpoints(
+            models,
+            base,
+            method,
+            output,
+            scale=scale,
+            dtype=getattr(torch, out_dtype) if out_dtype is not None else None,
+            compute_dtype=getattr(torch, math_dtype),
+            device=device,
+            force=force,
+            progress=not quiet,
+            max_shard_bytes=max_shard_bytes,
+            **given,
+        )
+    except OutputExistsError:
+        kind = "folder" if output.is_dir() else "file"
+        raise ValueError(
+            f"{output}: output {kind} exists; add --force to replace it, or choose another -o"
+        ) from None
     if not quiet:
         print_summary(summary)
-
-
-def method_parameters(method_class: type) -> str:
-    defaults = [f"{field.name}={field.default}" for field in fields(method_class)]
-    return ", ".join(defaults) or "none"
-
-
-def method_math(method_class: type) -> str:
-    """The first paragraph of the method's docstring, on one line, without RST quotes."""
-    paragraph = (method_class.__doc__ or "").strip().split("\n\n")[0]
-    return " ".join(paragraph.replace("``", "").split())
-
-
-@user_errors
-def methods(debug: Debug = False) -> None:
-    """List the merge methods with their parameters (defaults) and math."""
-    console = Console(highlight=False)
-    for name, method_class in METHODS.items():
-        base_note = "" if method_class.needs_base else "  (no --base needed)"
-        console.print(f"[bold]{name}[/bold]{base_note}")
-        console.print(escape(f"  parameters: {method_parameters(method_class)}"))
-        console.print(escape(f"  {method_math(method_class)}"))
