@@ -44,6 +44,7 @@ def assert_one_line_error(stderr: str, *fragments: str) -> None:
     assert "Traceback" not in stderr
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    assert "=True" not in lines[0], "a CLI error names a Python keyword argument"
     for fragment in fragments:
         assert fragment in lines[0], (fragment, lines[0])
 
