@@ -176,3 +176,24 @@ def test_report_of_a_missing_folder_says_it_does_not_exist(tmp_path, capsys):
     assert (
         stderr == f"error: {missing}: does not exist (give a folder written by mloco compare -o)\n"
     )
+
+
+# -- threads --------------------------------------------------------------------------------------
+def test_threads_follow_the_flag_then_the_environment_then_the_idle_cores(monkeypatch):
+    from mergekit_loco.cli import threads
+
+    assert threads.choose_threads(3) == (3, "--threads")
+    with pytest.raises(ValueError, match="--threads must be at least 1"):
+        threads.choose_threads(0)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert threads.choose_threads(None) == (2, "OMP_NUM_THREADS")
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setattr(threads.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(threads, "physical_cores", lambda: 4)
+    monkeypatch.setattr(threads.time, "sleep", lambda seconds: None)
+    for idle_jiffies, expected in ((0, 1), (30, 1), (70, 3), (100, 4)):  # of 100, on 4 CPUs
+        samples = iter([(0, 0), (idle_jiffies, 100)])
+        monkeypatch.setattr(threads, "cpu_times", samples.__next__)
+        assert threads.choose_threads(None)[0] == expected, idle_jiffies
+    monkeypatch.setattr(threads, "cpu_times", lambda: None)
+    assert threads.choose_threads(None) == (4, "4 physical cores")
