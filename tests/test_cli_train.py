@@ -4,6 +4,8 @@ a line before the first bar, the resolved config, and a Ctrl-C after any round k
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -120,7 +122,7 @@ def test_ctrl_c_after_any_round_resumes_with_default_flags(corpus, tmp_path):
     """No checkpoint flag given: SIGINT once round 2 is saved, then ``--resume`` finishes."""
     out = tmp_path / "run"
     command = [sys.executable, "-m", "mergekit_loco", "train", *TINY_FLAGS, "--data", corpus,
-               "--tokens", str(30 * 2 * 4 * 32), "--out", str(out), "--quiet"]  # fmt: skip
+               "--tokens", str(30 * 2 * 4 * 32), "--out", str(out)]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240
     while not (out / "checkpoints" / "round-000002").exists() and process.poll() is None:
@@ -134,8 +136,12 @@ def test_ctrl_c_after_any_round_resumes_with_default_flags(corpus, tmp_path):
     assert len(saved) == 1, saved  # only the latest is kept
     stopped_at = int(saved[0].split("-")[1])
     assert stopped_at >= 2 and "--resume" in stderr
-    resumed = subprocess.run([*command, "--resume"], capture_output=True, text=True, timeout=600)
+    resume = [*command, "--resume"]
+    env = {**os.environ, "COLUMNS": "400"}  # the summary's rows unwrapped
+    resumed = subprocess.run(resume, capture_output=True, text=True, timeout=600, env=env)
     assert resumed.returncode == 0, resumed.stderr
+    summary = re.search(r"final model\s+│ (\S+) \(AutoModelForCausalLM", resumed.stdout)
+    assert summary and summary.group(1) == str(out / "final"), resumed.stdout
     rounds = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [e["round"] for e in rounds if e.get("event") == "round"] == list(range(1, 31))
     assert (out / "final" / "model.safetensors").is_file()

@@ -157,6 +157,7 @@ def finish(run: Run, started: float, summary: bool) -> TrainResult:
             **({"outer step share": f"{100 * outer_s / rounds_s:.1f} %"} if rounds_s > 0 else {}),
             "params sha256": result.checksum[:16],
             "output": str(result.out),
+            "final model": f"{result.out / FINAL} (AutoModelForCausalLM.from_pretrained)",
         }
         print_summary(rows, title=f"{config.run.preset} on {config.model.name}")
     return result
