@@ -27,7 +27,7 @@ for preset in diloco isoloco; do
     echo
     echo "== 2. training $preset"
     mloco train --preset "$preset" --model nano --workers 8 --inner-steps 10 \
-        --global-batch 32 --seq-len 128 --tokens "$tokens" --out "$out/$preset" --force
+        --global-batch 32 --seq-len 128 --tokens "$tokens" --val-tokens 16384 --out "$out/$preset" --force
 done
 
 echo

@@ -106,3 +106,18 @@ def test_tiny_merges_load_with_their_tokenizer(workdir, capsys):
     assert tokenizer.decode(ids[0]) == "def main():\n    return 0\n"
     assert int(ids.max()) < model.config.vocab_size == len(tokenizer)
     assert model(ids).logits.isfinite().all()
+
+
+def test_demo_says_what_it_does_first_and_shows_progress():
+    """``make demo`` prints its plan and usual duration before any work, and trains with the
+    progress bar on (no --quiet); README's make demo line promises the same duration."""
+    script = (ROOT / "examples" / "demo.sh").read_text()
+    intro = script.index("cat <<INTRO")
+    first_work = min(script.index(word) for word in ("mloco ", "merge_demo.sh", "python -"))
+    assert intro < first_work
+    plan = script[intro : script.index("\nINTRO\n", intro)]
+    minutes = re.search(r"usually about (\d) minutes on 2 idle CPU cores", plan)
+    assert minutes and int(minutes.group(1)) < 5
+    assert "--quiet" not in script
+    assert f"about {minutes.group(1)} min" in README.split("make test")[0]
+    assert "mloco train" in script and "final" in script
