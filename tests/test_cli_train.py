@@ -66,16 +66,17 @@ def test_an_aggregator_brings_its_tuned_outer_step_and_says_so(captured_run, cap
     code, stdout, _ = run_main(capsys, "train", "--aggregator", aggregator, "--threads", "1")
     assert code == 0
     ((config, _),) = captured_run
+    flat = config.to_dict()
     lr, momentum, nesterov, inner_lr, preset = TUNED[aggregator]
-    assert (config.outer_lr, config.outer_momentum, config.nesterov) == (lr, momentum, nesterov)
-    assert config.inner_lr == inner_lr
+    assert (flat["outer_lr"], flat["outer_momentum"], flat["nesterov"]) == (lr, momentum, nesterov)
+    assert flat["inner_lr"] == inner_lr
     outer_line = stdout.splitlines()[0]
     assert outer_line.startswith(f"outer step: {aggregator} of the worker deltas, then SGD")
     assert f"lr {lr}," in outer_line
     if preset is None:
         assert outer_line.endswith(f"(the defaults: {aggregator} has no tuned preset)")
     else:
-        assert config.preset == preset and outer_line.endswith(f"(preset {preset})")
+        assert flat["preset"] == preset and outer_line.endswith(f"(preset {preset})")
 
 
 def test_flags_override_the_aggregators_preset(captured_run, capsys):
@@ -83,12 +84,14 @@ def test_flags_override_the_aggregators_preset(captured_run, capsys):
     code, stdout, _ = run_main(capsys, *args)
     assert code == 0
     ((config, _),) = captured_run
-    assert (config.outer_lr, config.outer_momentum, config.preset) == (0.3, 0.0, "tsv")
+    flat = config.to_dict()
+    assert (flat["outer_lr"], flat["outer_momentum"], flat["preset"]) == (0.3, 0.0, "tsv")
     assert "lr 0.3, no momentum (preset tsv, overridden by --outer-lr)" in stdout
     captured_run.clear()
     run_main(capsys, "train", "--preset", "isoloco", "--aggregator", "tsv", "--threads", "1")
     ((config, _),) = captured_run
-    assert (config.aggregator, config.outer_lr, config.outer_momentum) == ("tsv", 1.8, 0.8)
+    flat = config.to_dict()
+    assert (flat["aggregator"], flat["outer_lr"], flat["outer_momentum"]) == ("tsv", 1.8, 0.8)
 
 
 def test_resolved_defaults_threads_and_the_preparing_line(captured_run, capsys, monkeypatch):
@@ -107,7 +110,7 @@ def test_resolved_defaults_threads_and_the_preparing_line(captured_run, capsys, 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     run_main(capsys, "train", "--chinchilla", "20")
     ((config, threads),) = captured_run
-    assert threads == 1 and (config.tokens, config.chinchilla) == (None, 20.0)
+    assert threads == 1 and (config.data.tokens, config.data.chinchilla) == (None, 20.0)
 
 
 # -- nothing lost ---------------------------------------------------------------------------------
