@@ -183,12 +183,10 @@ def train_command(
         ),
     ] = None,
     outer_lr: Annotated[
-        float | None,
-        typer.Option(help=f"Outer learning rate (default: the preset's, {default('outer_lr')})."),
+        float | None, typer.Option(help=f"Outer learning rate (default {default('outer_lr')}).")
     ] = None,
     outer_momentum: Annotated[
-        float | None,
-        typer.Option(help=f"Outer momentum (default: the preset's, {default('outer_momentum')})."),
+        float | None, typer.Option(help=f"Outer momentum (default {default('outer_momentum')}).")
     ] = None,
     nesterov: Annotated[
         bool | None, typer.Option("--nesterov/--no-nesterov", help="Nesterov outer momentum.")
