@@ -5,6 +5,7 @@ BIN := $(VENV)/bin
 .PHONY: install demo test lint bench
 
 $(BIN)/mloco: pyproject.toml
+	@echo "installing mergekit_loco and its dependencies into $(VENV) (once; torch is the big one)"
 	python3 -m venv $(VENV)
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $@
@@ -22,6 +23,7 @@ test: lint
 	$(BIN)/pytest -q -p no:cacheprovider
 
 bench: install
+	$(BIN)/python benchmarks/start_time.py
 	$(BIN)/python benchmarks/merge_bench.py --small
 	$(BIN)/python benchmarks/train_bench.py
 	$(BIN)/python benchmarks/outer_step_bench.py

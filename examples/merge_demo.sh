@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Merge the bundled tiny Llama fine-tunes with every method, then load one result with
-# transformers. Run from anywhere: bash examples/merge_demo.sh [OUT_DIR]   (default: demo-out)
+# transformers (model and tokenizer). Run from anywhere:
+#     bash examples/merge_demo.sh [OUT_DIR]   (default: demo-out)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-demo-out}"
@@ -24,9 +25,12 @@ python - "$out/ties" <<'PY'
 import sys
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging
 
+logging.disable_progress_bar()
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
-logits = model(torch.tensor([[1, 2, 3]])).logits
+logits = model(tokenizer("def merge(models):", return_tensors="pt").input_ids).logits
 print(f"loaded {sys.argv[1]}: logits {tuple(logits.shape)}, finite: {bool(logits.isfinite().all())}")
 PY

@@ -178,7 +178,8 @@ def test_killed_torchrun_worker_fails_the_run_fast_and_resume_matches(corpus, tm
         "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
         LAUNCHER, "train", f"--timeout={TORCHRUN_TIMEOUT_S}",
     ]  # fmt: skip
-    process = launch([*torchrun, *cli_flags(corpus, out), "--checkpoint-every=1"], "1:3:2:KILL")
+    flags = [*cli_flags(corpus, out), "--checkpoint-every=1", "--keep-checkpoints=2"]
+    process = launch([*torchrun, *flags], "1:3:2:KILL")
     try:
         killed = finish(process)
         leftovers = alive_in_group(killed.group_id)

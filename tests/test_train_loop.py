@@ -380,6 +380,6 @@ def test_config_sections_validate_once_and_hold_the_only_defaults():
     assert f"Outer learning rate (default {OuterConfig().lr})" in help_text
     config = resolve_config(preset="isoloco", workers=4, checkpoint_every=3)
     flat = config.to_dict()
-    assert (flat["aggregator"], flat["outer_lr"], flat["keep_checkpoints"]) == ("iso-c", 1.8, 2)
+    assert (flat["aggregator"], flat["outer_lr"], flat["keep_checkpoints"]) == ("iso-c", 1.8, 1)
     assert TrainConfig.from_dict(flat) == config
     assert config.replace(outer_lr=0.5).outer.lr == 0.5 and config.outer.lr == 1.8

@@ -1,4 +1,8 @@
-"""The ``mloco`` command line: thin wrappers that parse options and call the Python API."""
+"""The ``mloco`` command line: thin wrappers that parse options and call the Python API.
+
+Nothing heavy is imported here: each command's module is imported when that command runs
+(``mloco --help`` or ``mloco methods`` never load torch), see :class:`LazyGroup`.
+"""
 
 from __future__ import annotations
 
@@ -6,46 +10,84 @@ import sys
 
 import typer
 
-from mergekit_loco.cli.common import (
-    EXIT_BAD_INPUT,
-    EXIT_INTERRUPTED,
-    USER_ERRORS,
-    Debug,
-    Quiet,
-    one_line,
-    print_error,
-    user_errors,
-)
-from mergekit_loco.cli.compare import compare_command, eval_command, report_command
-from mergekit_loco.cli.merge import merge, methods
-from mergekit_loco.cli.train import train_command
+from mergekit_loco.cli.command import CommandEntry, LazyGroup
+from mergekit_loco.cli.common import EXIT_BAD_INPUT, EXIT_INTERRUPTED, one_line, print_error
+
+#: Every command: its module and function, the line ``mloco --help`` shows, its examples.
+COMMANDS = {
+    "merge": CommandEntry(
+        "mergekit_loco.cli.merge",
+        "merge",
+        "Merge fine-tunes of one base: theta = base + scale * method(model_t - base).",
+        (
+            "mloco merge ft1 ft2 ft3 --base base --method iso-c -o merged",
+            "mloco merge a.safetensors b.safetensors --method mean  # no base needed",
+            "mloco merge ft1 ft2 --base base --method ties --density 0.5 --dtype bfloat16",
+        ),
+    ),
+    "methods": CommandEntry(
+        "mergekit_loco.cli.methods",
+        "methods",
+        "List the merge methods with their parameters (defaults) and math.",
+        (
+            "mloco methods",
+            "mloco merge ft1 ft2 --base base --method ties --density 0.3  # a listed parameter",
+        ),
+    ),
+    "train": CommandEntry(
+        "mergekit_loco.cli.train",
+        "train_command",
+        "DiLoCo training where any merge method is the aggregator (or a data-parallel baseline).",
+        (
+            "mloco train --preset isoloco --workers 8 --out runs/isoloco",
+            "mloco train --aggregator ties --density 0.5 --model micro --tokens 200000",
+            "mloco train --resume --out runs/isoloco  # after Ctrl-C",
+        ),
+    ),
+    "compare": CommandEntry(
+        "mergekit_loco.cli.compare",
+        "compare_command",
+        "Which aggregator for my R and H (a FLOP-matched sweep), or which merge method (merge).",
+        (
+            "mloco compare --aggregators diloco,isoloco --workers 1,2,4,8 -o results",
+            "mloco compare --mode merge --base base --finetuned a,b --data stdlib,pydoc -o mres",
+        ),
+    ),
+    "report": CommandEntry(
+        "mergekit_loco.cli.compare",
+        "report_command",
+        "Re-render tables and figures from saved results (no training).",
+        ("mloco report results", "mloco report mres-s0 mres-s1 -o mres-combined"),
+    ),
+    "eval": CommandEntry(
+        "mergekit_loco.cli.compare",
+        "eval_command",
+        "Token-weighted validation loss and perplexity of each model on each dataset.",
+        (
+            "mloco eval merged runs/isoloco/final --data stdlib",
+            "mloco eval merged --data stdlib,pydoc --tokens 8192 --json",
+        ),
+    ),
+}
+
+
+class Mloco(LazyGroup):
+    entries = COMMANDS
+
 
 app = typer.Typer(
     name="mloco",
     help="Model merging and DiLoCo training on one task-vector abstraction.",
+    cls=Mloco,
     add_completion=False,
     pretty_exceptions_enable=False,
+    epilog="Run mloco COMMAND --help for a command's options and examples.",
 )
 
-app.command()(merge)
-app.command()(methods)
-app.command(name="train")(train_command)
-app.command(name="compare")(compare_command)
-app.command(name="report")(report_command)
-app.command(name="eval")(eval_command)
 
-__all__ = [
-    "EXIT_BAD_INPUT",
-    "EXIT_INTERRUPTED",
-    "USER_ERRORS",
-    "Debug",
-    "Quiet",
-    "app",
-    "main",
-    "one_line",
-    "print_error",
-    "user_errors",
-]
+@app.callback()
+def mloco() -> None:
+    """Model merging and DiLoCo training on one task-vector abstraction."""
 
 
 def main(argv: list[str] | None = None) -> None:

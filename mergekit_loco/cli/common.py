@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Annotated, TypeVar
 
-import torch
 import typer
 
 USER_ERRORS = (ValueError, KeyError, OSError)
@@ -57,10 +56,11 @@ def user_errors(command: Command) -> Command:
     return wrapper
 
 
-def parse_choice(option: str, value: str, choices: dict[str, torch.dtype]) -> torch.dtype:
+def parse_choice(option: str, value: str, choices: Sequence[str]) -> str:
+    """``value`` if it is one of ``choices``, else a ``ValueError`` naming ``option``."""
     if value not in choices:
         raise ValueError(f"{option} must be one of {', '.join(choices)}, not {value!r}")
-    return choices[value]
+    return value
 
 
 def format_bytes(count: float) -> str:

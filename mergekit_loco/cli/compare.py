@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from mergekit_loco.cli.catalog import method_names
 from mergekit_loco.cli.common import (
     EXIT_INTERRUPTED,
     Debug,
@@ -16,8 +17,6 @@ from mergekit_loco.cli.common import (
     print_error,
     user_errors,
 )
-from mergekit_loco.methods import list_methods
-from mergekit_loco.train.loop import TrainingInterrupted
 
 MODES = ("aggregators", "merge")
 DEFAULT_AGGREGATORS = "diloco,isoloco,isoloco-ns,ties,tsv,iso-cts"
@@ -124,7 +123,7 @@ def compare_command(
         str | None, typer.Option(help="merge: fine-tuned checkpoints, comma-separated.")
     ] = None,
     methods: Annotated[
-        str, typer.Option(help=f"merge: methods, comma-separated ({', '.join(list_methods())}).")
+        str, typer.Option(help=f"merge: methods, comma-separated ({', '.join(method_names())}).")
     ] = DEFAULT_MERGE_METHODS,
     scales: Annotated[
         str, typer.Option(help="merge: scales tried per method, comma-separated.")
@@ -146,6 +145,8 @@ def compare_command(
     debug: Debug = False,
 ) -> None:
     """Which aggregator for my R and H (a FLOP-matched sweep), or which merge method (merge)."""
+    from mergekit_loco.train.loop import TrainingInterrupted
+
     console = Console(quiet=quiet)
     if mode not in MODES:
         raise ValueError(f"--mode must be one of {', '.join(MODES)}, not {mode!r}")
@@ -209,8 +210,14 @@ def report_command(
     figures: Annotated[bool, typer.Option("--figures/--no-figures", help="Draw PNGs.")] = True,
     debug: Debug = False,
 ) -> None:
-    """Re-render tables and figures from saved results (no training); several merge-mode folders
-    (e.g. one per fine-tune seed) are combined into mean ± std."""
+    """Re-render tables and figures from saved results (no training).
+
+    Several merge-mode folders (e.g. one per fine-tune seed) are combined into mean ± std.
+    """
+    for folder in results:
+        if not folder.is_dir():
+            what = "is not a folder" if folder.exists() else "does not exist"
+            raise ValueError(f"{folder}: {what} (give a folder written by mloco compare -o)")
     from mergekit_loco.compare import render
 
     render(results, output, console=Console(), figures=figures)

@@ -1,29 +1,34 @@
-"""``mloco merge`` and ``mloco methods``."""
+"""``mloco merge``: flags -> :func:`mergekit_loco.merge.merge_checkpoints`.
+
+torch is imported when a merge runs, not for ``mloco merge --help`` or a usage error.
+"""
 
 from __future__ import annotations
 
 import re
-from dataclasses import fields
 from pathlib import Path
 from typing import Annotated
 
-import torch
 import typer
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
-from mergekit_loco.cli.common import Debug, Quiet, format_bytes, parse_choice, user_errors
-from mergekit_loco.io import DEFAULT_MAX_SHARD_BYTES
-from mergekit_loco.low_rank import merge_to_lora
-from mergekit_loco.merge import MergeSummary, merge_checkpoints
-from mergekit_loco.merge_config import load_merge_config
-from mergekit_loco.methods import METHODS, get_method, list_methods, parse_options
+from mergekit_loco.cli.catalog import method_catalog, method_names
+from mergekit_loco.cli.command import command_line
+from mergekit_loco.cli.common import (
+    Debug,
+    Quiet,
+    check_seed,
+    format_bytes,
+    parse_choice,
+    user_errors,
+)
 
-OUTPUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-COMPUTE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+OUTPUT_DTYPES = ("float32", "bfloat16", "float16")
+COMPUTE_DTYPES = ("float32", "float64")
 SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 SIZE_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+DEFAULT_SHARD_SIZE = "5GB"  # io.DEFAULT_MAX_SHARD_BYTES, spelled for --help (a test checks it)
 
 
 def parse_size(value: str) -> int:
@@ -31,7 +36,40 @@ def parse_size(value: str) -> int:
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
     if not match or match.group(2).lower() not in SIZE_UNITS or float(match.group(1)) <= 0:
         raise ValueError(f"--shard-size: {value!r} is not a size like 5GB, 500MB or 2GiB")
-    return int(float(match.group(1)) * SIZE_UNITS[match.group(2).lower()])
+    size = int(float(match.group(1)) * SIZE_UNITS[match.group(2).lower()])
+    if size < 1:
+        raise ValueError(f"--shard-size: {value!r} is less than one byte")
+    return size
+
+
+def print_summary(summary) -> None:
+    table = Table(title=f"merged {summary.models} models with {summary.method}", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("tensors merged", str(summary.tensors_merged))
+    table.add_row("tensors copied", str(summary.tensors_copied))
+    table.add_row("time", f"{summary.seconds:.2f} s")
+    table.add_row("peak memory (RSS)", format_bytes(summary.peak_rss_bytes))
+    table.add_row("output", str(summary.out))
+    Console().print(table)
+
+
+def default_output(models: list[Path], base: Path | None, method: str) -> Path:
+    """``merged-METHOD.safetensors`` if the base (or first model) is one file, else a folder."""
+    reference = base if base is not None else models[0]
+    return Path(f"merged-{method}{'.safetensors' if reference.suffix == '.safetensors' else ''}")
+
+
+def missing_base(ctx: typer.Context, method: str) -> str | None:
+    """The message for a method that needs ``--base`` run without one: the corrected command."""
+    info = next((info for info in method_catalog() if info.name == method), None)
+    if info is None or not info.needs_base:
+        return None
+    return (
+        f"--method {method} merges task vectors (model - base), so it needs --base: the "
+        f"pre-trained checkpoint the models were fine-tuned from. Run: "
+        f"{command_line(ctx, '--base', 'BASE')} (only --method mean needs no base)"
+    )
 
 
 MERGE_KEYS = ("scale", "dtype", "compute_dtype")
@@ -45,6 +83,8 @@ def given_params(options: dict) -> dict:
 def from_config(config: Path, models, base, method, options: dict):
     """(models, base, method, merge options) from a ``--config`` YAML file; the file decides
     what it describes, so MODEL, --base, --method and merge options beside it are errors."""
+    from mergekit_loco.merge_config import load_merge_config
+
     clashes = [
         flag
         for flag, given in [
@@ -53,8 +93,8 @@ def from_config(config: Path, models, base, method, options: dict):
             ("--method", method is not None),
             ("--scale", options["scale"] != 1.0),
             ("--dtype", options["dtype"] is not None),
-            ("--compute-dtype", options["compute_dtype"] != torch.float32),
-            *[(f"--{name.replace('_', '-')}", True) for name in options if name not in MERGE_KEYS],
+            ("--compute-dtype", str(options["compute_dtype"]) != "torch.float32"),
+            *[(f"--{name.replace('_', '-')}", True) for name in given_params(options)],
         ]
         if given
     ]
@@ -70,36 +110,30 @@ def from_config(config: Path, models, base, method, options: dict):
     return configured.models, configured.base, configured.method, options
 
 
-def print_summary(summary: MergeSummary) -> None:
-    table = Table(title=f"merged {summary.models} models with {summary.method}", show_header=False)
-    table.add_column(style="bold")
-    table.add_column()
-    table.add_row("tensors merged", str(summary.tensors_merged))
-    table.add_row("tensors copied", str(summary.tensors_copied))
-    table.add_row("time", f"{summary.seconds:.2f} s")
-    table.add_row("peak memory (RSS)", format_bytes(summary.peak_rss_bytes))
-    table.add_row("output", str(summary.out))
-    Console().print(table)
-
-
 @user_errors
 def merge(
-    output: Annotated[
-        Path,
-        typer.Option(
-            "--output", "-o", help="Output: a .safetensors file, or a folder (sharded, with index)."
-        ),
-    ],
+    ctx: typer.Context,
     models: Annotated[
         list[Path] | None,
-        typer.Argument(help="Fine-tuned checkpoints: .safetensors files or HF folders."),
+        typer.Argument(
+            help="Fine-tuned checkpoints: .safetensors files, HF folders or LoRA adapter folders."
+        ),
     ] = None,
     method: Annotated[
-        str | None, typer.Option("--method", "-m", help=f"One of: {', '.join(list_methods())}.")
+        str | None, typer.Option("--method", "-m", help=f"One of: {', '.join(method_names())}.")
     ] = None,
     config: Annotated[
         Path | None,
         typer.Option(help="A mergekit-style YAML file: models, base, method and parameters."),
+    ] = None,
+    output: Annotated[
+        Path | None,
+        typer.Option(
+            "--output",
+            "-o",
+            help="Output: a .safetensors file, or a folder (sharded, with index). Default: "
+            "merged-METHOD.safetensors for .safetensors inputs, else the folder merged-METHOD.",
+        ),
     ] = None,
     base: Annotated[
         Path | None,
@@ -136,7 +170,7 @@ def merge(
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     shard_size: Annotated[
         str, typer.Option(help="Largest shard of a folder output, e.g. 5GB, 500MB.")
-    ] = f"{DEFAULT_MAX_SHARD_BYTES // 10**9}GB",
+    ] = DEFAULT_SHARD_SIZE,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
     lora_output: Annotated[
         bool,
@@ -148,6 +182,19 @@ def merge(
     debug: Debug = False,
 ) -> None:
     """Merge fine-tunes of one base: theta = base + scale * method(model_t - base)."""
+    if config is None and (not models or method is None):
+        raise ValueError("give MODEL... and --method (or a --config file)")
+    if (
+        config is None
+        and base is None
+        and not lora_output
+        and (message := missing_base(ctx, method))
+    ):
+        raise ValueError(message)
+    if option and config is not None:
+        raise ValueError(f"--config {config}: --option cannot be given with a config file")
+    if seed is not None:
+        check_seed(seed)
     given = {
         "density": density,
         "gamma": gamma,
@@ -156,61 +203,58 @@ def merge(
         "seed": seed,
         "rank_aware": rank_aware or None,
     }
+    out_dtype = parse_choice("--dtype", dtype, OUTPUT_DTYPES) if dtype is not None else None
+    math_dtype = parse_choice("--compute-dtype", compute_dtype, COMPUTE_DTYPES)
+    max_shard_bytes = parse_size(shard_size)
+
+    import torch
+
+    from mergekit_loco.io import OutputExistsError
+    from mergekit_loco.merge import merge_checkpoints
+    from mergekit_loco.methods import get_method, parse_options
+
     given = {name: value for name, value in given.items() if value is not None}
-    if option and method is None:
-        raise ValueError("--option needs --method (a config file sets parameters itself)")
     for key, value in (parse_options(method, option) if option else {}).items():
         if key in given:
             raise ValueError(f"--option {key}={value}: {key!r} is also given as a flag")
         given[key] = value
     options = {
         "scale": scale,
-        "dtype": parse_choice("--dtype", dtype, OUTPUT_DTYPES) if dtype is not None else None,
-        "compute_dtype": parse_choice("--compute-dtype", compute_dtype, COMPUTE_DTYPES),
+        "dtype": getattr(torch, out_dtype) if out_dtype is not None else None,
+        "compute_dtype": getattr(torch, math_dtype),
         **given,
     }
     if config is not None:
         models, base, method, options = from_config(config, models, base, method, options)
-    elif not models or method is None:
-        raise ValueError("give MODEL... and --method (or a --config file)")
-    if lora_output:
-        merge_method = get_method(method, **given_params(options))
-        written = merge_to_lora(models, merge_method, output, options["scale"], base, force)
+    if output is None:
+        output = default_output(models, base, method)
         if not quiet:
-            Console().print(f"wrote the merged LoRA adapter to {written}")
-        return
-    summary = merge_checkpoints(
-        models,
-        base,
-        method,
-        output,
-        device=device,
-        force=force,
-        progress=not quiet,
-        max_shard_bytes=parse_size(shard_size),
-        **options,
-    )
+            typer.echo(f"writing {output} (no -o given)")
+
+    try:
+        if lora_output:
+            from mergekit_loco.low_rank import merge_to_lora
+
+            method_object = get_method(method, **given_params(options))
+            written = merge_to_lora(models, method_object, output, options["scale"], base, force)
+            if not quiet:
+                Console().print(f"wrote the merged LoRA adapter to {written}")
+            return
+        summary = merge_checkpoints(
+            models,
+            base,
+            method,
+            output,
+            device=device,
+            force=force,
+            progress=not quiet,
+            max_shard_bytes=max_shard_bytes,
+            **options,
+        )
+    except OutputExistsError:
+        kind = "folder" if output.is_dir() else "file"
+        raise ValueError(
+            f"{output}: output {kind} exists; add --force to replace it, or choose another -o"
+        ) from None
     if not quiet:
         print_summary(summary)
-
-
-def method_parameters(method_class: type) -> str:
-    defaults = [f"{field.name}={field.default}" for field in fields(method_class)]
-    return ", ".join(defaults) or "none"
-
-
-def method_math(method_class: type) -> str:
-    """The first paragraph of the method's docstring, on one line, without RST quotes."""
-    paragraph = (method_class.__doc__ or "").strip().split("\n\n")[0]
-    return " ".join(paragraph.replace("``", "").split())
-
-
-@user_errors
-def methods(debug: Debug = False) -> None:
-    """List the merge methods with their parameters (defaults) and math."""
-    console = Console(highlight=False)
-    for name, method_class in METHODS.items():
-        base_note = "" if method_class.needs_base else "  (no --base needed)"
-        console.print(f"[bold]{name}[/bold]{base_note}")
-        console.print(escape(f"  parameters: {method_parameters(method_class)}"))
-        console.print(escape(f"  {method_math(method_class)}"))

@@ -7,11 +7,13 @@ Under torchrun: ``torchrun --nproc_per_node 2 -m mergekit_loco train --workers 8
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from mergekit_loco.cli.catalog import method_names
 from mergekit_loco.cli.common import (
     EXIT_INTERRUPTED,
     Debug,
@@ -20,10 +22,15 @@ from mergekit_loco.cli.common import (
     print_error,
     user_errors,
 )
-from mergekit_loco.methods import list_methods
-from mergekit_loco.train.config import DEFAULT_TOKENS, PRESETS, default, resolve_config
-from mergekit_loco.train.loop import TrainingDiverged, TrainingInterrupted, train
-from mergekit_loco.train.workers import PeerLost
+from mergekit_loco.cli.threads import choose_threads
+from mergekit_loco.train.config import (
+    DEFAULT_TOKENS,
+    PRESETS,
+    TrainConfig,
+    aggregator_preset,
+    default,
+    resolve_config,
+)
 
 #: The run failed while running (diverged, or a torchrun peer died or hung); the message names
 #: the last good checkpoint. Bad input is 2, an interruption 130.
@@ -42,6 +49,28 @@ def parse_aggregator_options(pairs: list[str]) -> dict:
         except json.JSONDecodeError:
             options[key.strip()] = text
     return options
+
+
+def describe_outer(config: TrainConfig, flags: dict) -> str:
+    """One line: the aggregator, the outer SGD settings and where they come from."""
+    outer = config.outer
+    if config.run.mode == "dp":
+        return "none (data-parallel AdamW baseline)"
+    momentum = f"{'Nesterov ' if outer.nesterov else ''}momentum {outer.momentum}"
+    if not outer.momentum:
+        momentum = "no momentum"
+    given = [f"--{name.replace('_', '-')}" for name in ("outer_lr", "outer_momentum", "nesterov")
+             if flags.get(name) is not None]  # fmt: skip
+    if aggregator_preset(outer.aggregator) is None and flags.get("preset") is None:
+        source = f"the defaults: {outer.aggregator} has no tuned preset"
+    else:
+        source = f"preset {config.run.preset}"
+    if given:
+        source += f", overridden by {', '.join(given)}"
+    return (
+        f"{outer.aggregator} of the worker deltas, then SGD with lr {outer.lr}, {momentum} "
+        f"({source})"
+    )
 
 
 @user_errors
@@ -148,7 +177,9 @@ def train_command(
     aggregator: Annotated[
         str | None,
         typer.Option(
-            help=f"Merge method: {', '.join(list_methods())} (default {default('aggregator')})."
+            help=f"Merge method: {', '.join(method_names())} (default {default('aggregator')}). "
+            "Without --preset it brings its tuned preset (outer lr, momentum, inner lr), e.g. "
+            "tsv -> --preset tsv."
         ),
     ] = None,
     outer_lr: Annotated[
@@ -208,6 +239,13 @@ def train_command(
     device: Annotated[
         str | None, typer.Option(help=f"auto, cpu or cuda (default {default('device')}).")
     ] = None,
+    threads: Annotated[
+        int | None,
+        typer.Option(
+            help="CPU threads of torch (default: OMP_NUM_THREADS if set, else the cores idle at "
+            "the start, at most the physical cores)."
+        ),
+    ] = None,
     quiet: Quiet = False,
     debug: Debug = False,
 ) -> None:
@@ -231,17 +269,30 @@ def train_command(
         aggregator_options=aggregator_options or None,
     )  # fmt: skip
     run_config = resolve_config(config, **flags)
+    thread_count, thread_reason = choose_threads(threads)
+
+    import torch
+
+    from mergekit_loco.dist import CollectiveFailed
+    from mergekit_loco.train.loop import TrainingDiverged, TrainingInterrupted, train
+
+    torch.set_num_threads(thread_count)
+    if not run_config.run.quiet and os.environ.get("RANK", "0") == "0":
+        typer.echo(f"outer step: {describe_outer(run_config, flags)}")
+        typer.echo(f"threads: {thread_count} ({thread_reason}; --threads N to choose)")
+        typer.echo("preparing the tokenizer, data and model (the first run on a corpus trains a "
+                   "tokenizer: ~20 s on 2 cores) ...")  # fmt: skip
     try:
         result = train(run_config, progress=not quiet)
     except TrainingInterrupted as stopped:
         print_error(one_line(stopped))
         raise typer.Exit(EXIT_INTERRUPTED) from None
-    except (TrainingDiverged, PeerLost) as failure:
+    except (TrainingDiverged, CollectiveFailed) as failure:
         if debug:
             raise
         print_error(one_line(failure))
         raise typer.Exit(EXIT_RUN_FAILED) from None
-    if not result.finished and not quiet:
+    if not result.finished and not run_config.run.quiet:
         typer.echo(
             f"stopped after round {result.rounds}; continue with --resume --out {result.out}"
         )

@@ -62,7 +62,7 @@ class Transport:
         """:func:`guarded` ``collective(*args, **kwargs)``, timed and counted in the stats."""
         start = self._clock()
         try:
-            guarded(self.rank, op, collective, *args, **kwargs)
+            guarded(f"rank {self.rank}", f"outer step collective {op}", collective, *args, **kwargs)
         finally:
             self.stats.comm_seconds += self._clock() - start
         self.stats.bytes_sent += bytes_sent
@@ -249,12 +249,14 @@ def assign_owners(shapes: Sequence[Sequence[int]], world: int) -> list[int]:
 
 
 class CollectiveFailed(RuntimeError):
-    """A collective failed or timed out: a peer rank died, hung or is unreachable."""
+    """A collective failed or timed out: a peer process died, hung or is unreachable. The
+    message names this process, the collective and how long it waited."""
 
 
-def guarded(rank: int, op: str, collective: Callable, *args, **kwargs):
+def guarded(who: str, op: str, collective: Callable, *args, timeout_s: float | None = None, **kwargs):
     """``collective(*args, **kwargs)``; a failure (a dead or hung peer, the process group's
-    timeout) becomes :class:`CollectiveFailed` naming this rank, the step and the wait."""
+    timeout) becomes :class:`CollectiveFailed` naming ``who`` (this process), ``op`` and the
+    wait. The one wrapper every collective of the package goes through."""
     start = time.perf_counter()
     try:
         return collective(*args, **kwargs)
@@ -262,8 +264,8 @@ def guarded(rank: int, op: str, collective: Callable, *args, **kwargs):
         waited = time.perf_counter() - start
         text = str(error).strip()
         cause = text.splitlines()[0] if text else type(error).__name__
+        limit = f"{timeout_s:g} s" if timeout_s is not None else "the one given to init_process_group"
         raise CollectiveFailed(
-            f"rank {rank}: outer step collective {op} timed out or failed after {waited:.1f}s — "
-            "a peer rank likely died or hung (the timeout is the one given to "
-            f"init_process_group); cause: {cause}"
+            f"{who}: {op} failed after {waited:.1f} s; a peer rank likely died or hung, or is "
+            f"unreachable (collective timeout: {limit}). Cause: {cause}"
         ) from error

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from mergekit_loco.train.config_sections import (
+    DEFAULT_TOKENS,
     CheckpointConfig,
     DataConfig,
     InnerConfig,
@@ -26,8 +27,6 @@ from mergekit_loco.train.config_sections import (
     RunConfig,
     check_choice,
 )
-
-DEFAULT_TOKENS = 2_000_000
 
 #: The seed paper's tuned 178M, R = 8 values, as changes to the sections' defaults (which are
 #: the diloco preset). Every preset starts from the defaults of PRESET_KEYS, so switching
@@ -276,15 +275,21 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 def resolve_config(config_file: str | Path | None = None, **overrides: Any) -> TrainConfig:
     """Build and validate a config: defaults < preset < ``config_file`` < ``overrides``.
 
-    ``overrides`` with the value None are ignored (a flag not given). ``aggregator_options``
-    from the preset, the file and the overrides are merged key by key, unless the aggregator was
-    changed from the preset's, in which case the preset's options are dropped. With
-    ``resume=True`` the run's saved ``OUT/config.json`` replaces the defaults.
+    ``overrides`` with the value None are ignored (a flag not given). An aggregator given
+    without a preset brings its tuned preset (:func:`aggregator_preset`: ``aggregator="tsv"``
+    is ``preset="tsv"``), whose values explicit ones override. ``aggregator_options`` from the
+    preset, the file and the overrides are merged key by key, unless the aggregator was changed
+    from the preset's, in which case the preset's options are dropped. With ``resume=True`` the
+    run's saved ``OUT/config.json`` replaces the defaults.
     """
     explicit = coerce_values(read_config_file(config_file), str(config_file)) if config_file else {}
     flags = coerce_values({k: v for k, v in overrides.items() if v is not None}, "flags")
     options = {**explicit.pop("aggregator_options", {}), **flags.pop("aggregator_options", {})}
     explicit.update(flags)
+    if "preset" not in explicit and "aggregator" in explicit and not explicit.get("resume"):
+        tuned = aggregator_preset(explicit["aggregator"])
+        if tuned is not None:
+            explicit["preset"] = tuned
 
     base = TrainConfig().to_dict()
     if explicit.get("resume"):
@@ -299,8 +304,20 @@ def resolve_config(config_file: str | Path | None = None, **overrides: Any) -> T
     if explicit.get("aggregator", base["aggregator"]) != base["aggregator"]:
         base["aggregator_options"] = {}
     values = {**base, **explicit}
+    if "chinchilla" in explicit and "tokens" not in explicit:
+        values["tokens"] = None  # the default budget gives way to the chinchilla one
     values["aggregator_options"] = {**base.get("aggregator_options", {}), **options}
     return TrainConfig.from_dict(values)
+
+
+def aggregator_preset(aggregator: str) -> str | None:
+    """The first DiLoCo preset (in :data:`PRESETS` order) that uses ``aggregator``, if any:
+    mean -> diloco, iso-c -> isoloco, iso-cts, tsv, ties, dare; none for ta and breadcrumbs."""
+    for name, changes in PRESETS.items():
+        mode = changes.get("mode", default("mode"))
+        if mode == "diloco" and changes.get("aggregator", default("aggregator")) == aggregator:
+            return name
+    return None
 
 
 def preset_config(preset: str = "diloco", **overrides: Any) -> TrainConfig:

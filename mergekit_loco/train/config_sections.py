@@ -15,6 +15,9 @@ INNER_OPTIMIZERS = ("adamw", "muon")
 DEVICES = ("auto", "cpu", "cuda")
 
 
+DEFAULT_TOKENS = 2_000_000
+
+
 def check_choice(name: str, value: str, choices) -> None:
     if value not in choices:
         raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(choices)}")
@@ -39,7 +42,8 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     """The documents (``source``), tokenizer, validation hold-out, batch shape and token budget:
-    ``tokens`` (2M unless ``chinchilla``), or ``chinchilla`` tokens per model parameter (the
+    ``tokens`` (2M, recorded as such, unless ``chinchilla``), or ``chinchilla`` tokens per model
+    parameter (the
     paper uses 20). ``global_batch`` sequences per inner step summed over the workers."""
 
     source: str = "stdlib"
@@ -66,6 +70,8 @@ class DataConfig:
             raise ValueError(f"tokens must be >= 1, got {self.tokens}")
         if self.chinchilla is not None and self.chinchilla <= 0:
             raise ValueError(f"chinchilla must be > 0, got {self.chinchilla}")
+        if self.tokens is None and self.chinchilla is None:  # the default budget, written down
+            object.__setattr__(self, "tokens", DEFAULT_TOKENS)
 
 
 @dataclass(frozen=True)
@@ -128,8 +134,8 @@ class CheckpointConfig:
     """Checkpoint ``every`` N rounds (0: only at the end), keep the newest ``keep``; resume the
     run in ``out`` (optionally with another config), or start over there (``force``)."""
 
-    every: int = 0
-    keep: int = 2
+    every: int = 1  # every round, keeping the newest: a stop after any round can resume
+    keep: int = 1
     resume: bool = False
     allow_config_change: bool = False
     force: bool = False

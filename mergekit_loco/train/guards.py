@@ -14,10 +14,11 @@ from typing import Protocol
 
 import torch
 
+from mergekit_loco.dist import CollectiveFailed
 from mergekit_loco.train.config import TrainConfig
 from mergekit_loco.train.data import DataExhausted
 from mergekit_loco.train.signals import TrainingInterrupted
-from mergekit_loco.train.workers import PeerLost, Worker
+from mergekit_loco.train.workers import Worker
 
 #: A round whose global parameters end more than this many times larger (L2 norm) than they
 #: started has diverged: healthy rounds change the norm by under 20 % (every preset, measured).
@@ -38,7 +39,7 @@ class RunPosition(Protocol):
 @contextmanager
 def naming_the_last_checkpoint(run: RunPosition) -> Iterator[None]:
     """Re-raise a run's failure with the round it happened in and the checkpoint to resume
-    from: divergence as TrainingDiverged, a failed collective as PeerLost."""
+    from: divergence as TrainingDiverged, a failed collective as CollectiveFailed."""
     try:
         yield
     except TrainingInterrupted as interrupt:
@@ -50,10 +51,10 @@ def naming_the_last_checkpoint(run: RunPosition) -> Iterator[None]:
             f"round {run.round_number}: {error}; stopping. {last_good_message(run.last_saved)}"
         ) from None
     except RuntimeError as error:  # a collective failed, or a peer died or hung
-        if isinstance(error, PeerLost) or (
+        if isinstance(error, CollectiveFailed) or (
             run.distributed and isinstance(error.__cause__, RuntimeError)
         ):
-            raise PeerLost(
+            raise CollectiveFailed(
                 f"round {run.round_number}: {error}. {last_good_message(run.last_saved)} Restart "
                 "every process with --resume to continue from it."
             ) from error

@@ -16,9 +16,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from mergekit_loco.dist import modelled_comm_stats
 from mergekit_loco.run_layout import FINAL
 from mergekit_loco.train import rounds as turns
-from mergekit_loco.train.collectives import modelled_comm_stats
 from mergekit_loco.train.config import TrainConfig
 from mergekit_loco.train.guards import (
     TrainingDiverged,
@@ -157,6 +157,7 @@ def finish(run: Run, started: float, summary: bool) -> TrainResult:
             **({"outer step share": f"{100 * outer_s / rounds_s:.1f} %"} if rounds_s > 0 else {}),
             "params sha256": result.checksum[:16],
             "output": str(result.out),
+            "final model": f"{result.out / FINAL} (AutoModelForCausalLM.from_pretrained)",
         }
         print_summary(rows, title=f"{config.run.preset} on {config.model.name}")
     return result

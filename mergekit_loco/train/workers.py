@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 
+from mergekit_loco.dist import guarded
 from mergekit_loco.train.config import TrainConfig
 from mergekit_loco.train.data import BatchStream
 from mergekit_loco.train.schedule import WarmupCosine
@@ -129,11 +129,6 @@ class Worker:
     inner: InnerOptimizer | None = None
 
 
-class PeerLost(RuntimeError):
-    """A collective between the torchrun processes failed or timed out: another process died,
-    hung or is unreachable. The message names this rank, the collective and the wait."""
-
-
 class WorkerGroup:
     """The workers this process runs and the collectives that join it to the others.
 
@@ -204,7 +199,7 @@ class TorchrunWorkers(WorkerGroup):
     """R/P workers in each of the P processes torchrun started (gloo on CPU, NCCL on GPU).
 
     Every collective waits at most ``timeout`` seconds; a failure or a timeout (a peer that
-    died or hangs) raises :class:`PeerLost`."""
+    died or hangs) raises :class:`~mergekit_loco.dist.CollectiveFailed`."""
 
     def __init__(self, workers: int, device: torch.device, timeout: float):
         self.rank = int(os.environ["RANK"])
@@ -225,17 +220,9 @@ class TorchrunWorkers(WorkerGroup):
             )
 
     def _collective(self, what: str, call: Callable, *args, **kwargs):
-        """``call(*args, **kwargs)``, its RuntimeError (gloo / NCCL) turned into PeerLost."""
-        start = time.perf_counter()
-        try:
-            return call(*args, **kwargs)
-        except RuntimeError as error:
-            cause = (str(error).strip().splitlines() or [type(error).__name__])[0]
-            raise PeerLost(
-                f"rank {self.rank} of {self.world_size}: {what} failed after "
-                f"{time.perf_counter() - start:.1f} s; another process died, hung or is "
-                f"unreachable (collective timeout {self.timeout:g} s). Cause: {cause}"
-            ) from error
+        """``call(*args, **kwargs)`` through :func:`~mergekit_loco.dist.guarded`."""
+        who = f"rank {self.rank} of {self.world_size}"
+        return guarded(who, what, call, *args, timeout_s=self.timeout, **kwargs)
 
     def barrier(self) -> None:
         self._collective("barrier", dist.barrier)

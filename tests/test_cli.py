@@ -1,0 +1,199 @@
+"""The first contact with ``mloco``: what starting it imports, what its help shows, how it answers
+the commands a newcomer types first (the card's ``merge`` without ``-o`` or ``--base``)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+from dataclasses import MISSING, fields
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from mergekit_loco.cli import COMMANDS, app, main
+from mergekit_loco.cli.catalog import method_catalog
+from mergekit_loco.cli.merge import DEFAULT_SHARD_SIZE, parse_size
+
+TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny"
+HEAVY_MODULES = ("torch", "transformers", "mergekit_loco.train", "mergekit_loco.merge")
+IMPORTS_AFTER = """
+import json, sys
+from mergekit_loco.cli import main
+try:
+    main(json.loads(sys.argv[1]))
+except SystemExit:
+    pass
+print(json.dumps(sorted(name for name in sys.modules if name in json.loads(sys.argv[2]))))
+"""
+
+
+def modules_imported_by(args: list[str], watched=HEAVY_MODULES) -> list[str]:
+    """Which of ``watched`` a fresh interpreter has imported after ``mloco ARGS``."""
+    done = subprocess.run(
+        [sys.executable, "-c", IMPORTS_AFTER, json.dumps(args), json.dumps(watched)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run_main(capsys, *args) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exited:
+        main([str(arg) for arg in args])
+    captured = capsys.readouterr()
+    return exited.value.code, captured.out, captured.err
+
+
+@pytest.mark.parametrize(
+    "args", [["--help"], [], ["methods"], ["mrege"], ["merge", "--help"], ["report", "--help"]]
+)
+def test_starting_imports_neither_torch_nor_the_trainer(args):
+    assert modules_imported_by(args) == []
+
+
+def test_a_merge_does_not_import_transformers(tmp_path):
+    """Copying the tokenizer files is a file copy: transformers stays unloaded."""
+    args = ["merge", f"{TINY}/ft1", f"{TINY}/ft2", "--base", f"{TINY}/base", "-m", "ta"]
+    imported = modules_imported_by(
+        [*args, "-o", str(tmp_path / "m"), "-q"], ("torch", "transformers")
+    )
+    assert imported == ["torch"]
+    assert (tmp_path / "m" / "tokenizer.json").is_file()
+
+
+def test_method_catalog_agrees_with_the_imported_registry():
+    from mergekit_loco.methods import METHODS
+
+    catalog = method_catalog()
+    assert [info.name for info in catalog] == list(METHODS)
+    for info, method_class in zip(catalog, METHODS.values(), strict=True):
+        assert info.needs_base == method_class.needs_base, info.name
+        assert info.doc == method_class.__doc__.strip().replace("\n    ", "\n"), info.name
+        defaults = {f.name: f.default for f in fields(method_class)}
+        assert MISSING not in defaults.values() and info.parameters == defaults, info.name
+
+
+# -- help -----------------------------------------------------------------------------------------
+def help_of(*args: str) -> str:
+    result = CliRunner().invoke(app, [*args, "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_help_shows_plain_flags_and_ends_with_examples_that_parse(name):
+    text = help_of(name)
+    assert "<bool>" not in text
+    assert "--help" in text and "--debug" in text
+    lines = [line.strip() for line in text.strip().splitlines()]
+    examples = COMMANDS[name].examples
+    assert 2 <= len(examples) <= 3
+    assert lines[-len(examples) - 1 :] == ["Examples", *(f"$ {line}" for line in examples)]
+    for example in examples:
+        words = shlex.split(example, comments=True)
+        command = COMMANDS[words[1]].load(words[1])
+        command.make_context(words[1], words[2:])  # raises on an unknown option or bad value
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_listed_summary_is_the_first_sentence_of_the_help(name):
+    command = COMMANDS[name].load(name)
+    assert command.help.split("\n\n")[0].replace("\n", " ").startswith(COMMANDS[name].summary)
+
+
+def test_usage_names_arguments_in_capitals():
+    assert "Usage: mloco merge [OPTIONS] MODELS..." in help_of("merge")
+    assert "Usage: mloco report [OPTIONS] RESULTS..." in help_of("report")
+    top = help_of()
+    assert "<bool>" not in top and all(name in top for name in COMMANDS)
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["merge", "a", "b", "-m", "iso-c", "--rank-aware", "true"], "write --rank-aware to turn"),
+        (["merge", "a", "b", "-m", "iso-c", "--force=yes"], "write --force to turn it on"),
+        (["train", "--nesterov", "false"], "write --nesterov or --no-nesterov"),
+    ],
+)
+def test_a_flag_given_a_value_is_told_it_is_a_flag(capsys, args, expected):
+    code, _, stderr = run_main(capsys, *args)
+    assert code == 2 and stderr.count("\n") == 1
+    assert "is a flag and takes no value" in stderr and expected in stderr
+
+
+def test_default_shard_size_is_the_writers():
+    from mergekit_loco.io import DEFAULT_MAX_SHARD_BYTES
+
+    assert parse_size(DEFAULT_SHARD_SIZE) == DEFAULT_MAX_SHARD_BYTES
+
+
+# -- the card's commands and first mistakes -------------------------------------------------------
+@pytest.fixture
+def single_files(tmp_path, monkeypatch):
+    """The bundled tiny base and two fine-tunes as single .safetensors files, in the cwd."""
+    monkeypatch.chdir(tmp_path)
+    for name, folder in (("base", "base"), ("a", "ft1"), ("b", "ft2")):
+        model = (TINY / folder / "model.safetensors").read_bytes()
+        (tmp_path / f"{name}.safetensors").write_bytes(model)
+    return tmp_path
+
+
+def test_merge_without_base_says_what_base_is_and_the_whole_command(single_files, capsys):
+    code, _, stderr = run_main(capsys, "merge", "a.safetensors", "b.safetensors", "-m", "iso-c")
+    assert code == 2 and stderr.count("\n") == 1
+    assert "needs --base: the pre-trained checkpoint the models were fine-tuned from" in stderr
+    corrected = stderr.split("Run: ")[1].split(" (only")[0]
+    assert corrected == "mloco merge a.safetensors b.safetensors -m iso-c --base BASE"
+    assert list(single_files.glob("merged*")) == []
+    fixed = shlex.split(corrected.replace("BASE", "base.safetensors"))[1:]
+    code, stdout, _ = run_main(capsys, *fixed)
+    assert code == 0
+    assert "writing merged-iso-c.safetensors (no -o given)" in stdout
+    assert (single_files / "merged-iso-c.safetensors").is_file()
+    code, _, stderr = run_main(capsys, *fixed)
+    assert code == 2
+    assert stderr == (
+        "error: merged-iso-c.safetensors: output file exists; add --force to replace it, "
+        "or choose another -o\n"
+    )
+
+
+def test_mean_without_output_names_a_folder_after_folders(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    code, stdout, _ = run_main(capsys, "merge", TINY / "ft1", TINY / "ft2", "-m", "mean")
+    assert code == 0 and "writing merged-mean (no -o given)" in stdout
+    assert (tmp_path / "merged-mean" / "config.json").is_file()
+
+
+def test_report_of_a_missing_folder_says_it_does_not_exist(tmp_path, capsys):
+    code, _, stderr = run_main(capsys, "report", tmp_path / "nosuch")
+    assert code == 2
+    missing = tmp_path / "nosuch"
+    assert (
+        stderr == f"error: {missing}: does not exist (give a folder written by mloco compare -o)\n"
+    )
+
+
+# -- threads --------------------------------------------------------------------------------------
+def test_threads_follow_the_flag_then_the_environment_then_the_idle_cores(monkeypatch):
+    from mergekit_loco.cli import threads
+
+    assert threads.choose_threads(3) == (3, "--threads")
+    with pytest.raises(ValueError, match="--threads must be at least 1"):
+        threads.choose_threads(0)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert threads.choose_threads(None) == (2, "OMP_NUM_THREADS")
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setattr(threads.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(threads, "physical_cores", lambda: 4)
+    monkeypatch.setattr(threads.time, "sleep", lambda seconds: None)
+    for idle_jiffies, expected in ((0, 1), (30, 1), (70, 3), (100, 4)):  # of 100, on 4 CPUs
+        samples = iter([(0, 0), (idle_jiffies, 100)])
+        monkeypatch.setattr(threads, "cpu_times", samples.__next__)
+        assert threads.choose_threads(None)[0] == expected, idle_jiffies
+    monkeypatch.setattr(threads, "cpu_times", lambda: None)
+    assert threads.choose_threads(None) == (4, "4 physical cores")

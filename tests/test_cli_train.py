@@ -1,0 +1,150 @@
+"""``mloco train`` as a newcomer meets it: which outer step an aggregator brings, the threads,
+a line before the first bar, the resolved config, and a Ctrl-C after any round kept."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import stdlib_corpus
+
+from mergekit_loco.cli import main
+from mergekit_loco.train import loop
+
+#: aggregator -> (outer lr, momentum, nesterov, inner lr, preset): the seed paper's tuned
+#: values at R = 8 (ta and breadcrumbs have none and keep DiLoCo's defaults).
+TUNED = {
+    "mean": (0.7, 0.9, True, 1.38e-3, "diloco"),
+    "iso-c": (1.8, 0.8, True, 1.38e-3, "isoloco"),
+    "iso-cts": (3.1, 0.0, False, 3.91e-3, "iso-cts"),
+    "tsv": (0.6, 0.0, False, 2.76e-3, "tsv"),
+    "ties": (0.7, 0.0, False, 2.76e-3, "ties"),
+    "dare": (1.5, 0.0, False, 2.76e-3, "dare"),
+    "ta": (0.7, 0.9, True, 1.38e-3, None),
+    "breadcrumbs": (0.7, 0.9, True, 1.38e-3, None),
+}
+TINY_FLAGS = [
+    "--model", "micro", "--workers", "2", "--inner-steps", "2", "--global-batch", "4",
+    "--seq-len", "32", "--vocab-size", "512", "--val-tokens", "1024", "--device", "cpu",
+]  # fmt: skip
+
+
+@pytest.fixture
+def captured_run(monkeypatch) -> Iterator[list]:
+    """Replace the training itself: ``mloco train`` parses, resolves, prints, sets the threads
+    and calls ``train(config)``; the config and torch's thread count at that moment are kept."""
+    calls = []
+    threads = torch.get_num_threads()
+
+    def fake_train(config, progress=True):
+        calls.append((config, torch.get_num_threads()))
+        return SimpleNamespace(finished=True)
+
+    monkeypatch.setattr(loop, "train", fake_train)
+    yield calls
+    torch.set_num_threads(threads)
+
+
+def run_main(capsys, *args) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exited:
+        main([str(arg) for arg in args])
+    captured = capsys.readouterr()
+    return exited.value.code, captured.out, captured.err
+
+
+@pytest.mark.parametrize("aggregator", list(TUNED))
+def test_an_aggregator_brings_its_tuned_outer_step_and_says_so(captured_run, capsys, aggregator):
+    code, stdout, _ = run_main(capsys, "train", "--aggregator", aggregator, "--threads", "1")
+    assert code == 0
+    ((config, _),) = captured_run
+    flat = config.to_dict()
+    lr, momentum, nesterov, inner_lr, preset = TUNED[aggregator]
+    assert (flat["outer_lr"], flat["outer_momentum"], flat["nesterov"]) == (lr, momentum, nesterov)
+    assert flat["inner_lr"] == inner_lr
+    outer_line = stdout.splitlines()[0]
+    assert outer_line.startswith(f"outer step: {aggregator} of the worker deltas, then SGD")
+    assert f"lr {lr}," in outer_line
+    if preset is None:
+        assert outer_line.endswith(f"(the defaults: {aggregator} has no tuned preset)")
+    else:
+        assert flat["preset"] == preset and outer_line.endswith(f"(preset {preset})")
+
+
+def test_flags_override_the_aggregators_preset(captured_run, capsys):
+    args = ["train", "--aggregator", "tsv", "--outer-lr", "0.3", "--threads", "1"]
+    code, stdout, _ = run_main(capsys, *args)
+    assert code == 0
+    ((config, _),) = captured_run
+    flat = config.to_dict()
+    assert (flat["outer_lr"], flat["outer_momentum"], flat["preset"]) == (0.3, 0.0, "tsv")
+    assert "lr 0.3, no momentum (preset tsv, overridden by --outer-lr)" in stdout
+    captured_run.clear()
+    run_main(capsys, "train", "--preset", "isoloco", "--aggregator", "tsv", "--threads", "1")
+    ((config, _),) = captured_run
+    flat = config.to_dict()
+    assert (flat["aggregator"], flat["outer_lr"], flat["outer_momentum"]) == ("tsv", 1.8, 0.8)
+
+
+def test_resolved_defaults_threads_and_the_preparing_line(captured_run, capsys, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    code, stdout, _ = run_main(capsys, "train", "--threads", "2")
+    assert code == 0
+    ((config, threads),) = captured_run
+    assert threads == 2
+    saved = config.to_dict()
+    assert saved["tokens"] == 2_000_000 and saved["chinchilla"] is None
+    assert (saved["checkpoint_every"], saved["keep_checkpoints"]) == (1, 1)
+    lines = stdout.splitlines()
+    assert lines[1] == "threads: 2 (--threads; --threads N to choose)"
+    assert lines[2].startswith("preparing the tokenizer, data and model")
+    captured_run.clear()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    run_main(capsys, "train", "--chinchilla", "20")
+    ((config, threads),) = captured_run
+    assert threads == 1 and (config.data.tokens, config.data.chinchilla) == (None, 20.0)
+
+
+# -- nothing lost ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Iterator[str]:
+    files = ("textwrap.py", "string.py", "json/decoder.py", "csv.py", "heapq.py", "shlex.py")
+    with stdlib_corpus(tmp_path_factory.mktemp("corpus"), files) as corpus:
+        yield corpus
+
+
+def test_ctrl_c_after_any_round_resumes_with_default_flags(corpus, tmp_path):
+    """No checkpoint flag given: SIGINT once round 2 is saved, then ``--resume`` finishes."""
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "mergekit_loco", "train", *TINY_FLAGS, "--data", corpus,
+               "--tokens", str(30 * 2 * 4 * 32), "--out", str(out)]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not (out / "checkpoints" / "round-000002").exists() and process.poll() is None:
+        assert time.monotonic() < deadline, "no checkpoint after round 2"
+        time.sleep(0.01)
+    assert process.poll() is None, "the run ended before it could be interrupted"
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr
+    saved = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("round"))
+    assert len(saved) == 1, saved  # only the latest is kept
+    stopped_at = int(saved[0].split("-")[1])
+    assert stopped_at >= 2 and "--resume" in stderr
+    resume = [*command, "--resume"]
+    env = {**os.environ, "COLUMNS": "400"}  # the summary's rows unwrapped
+    resumed = subprocess.run(resume, capture_output=True, text=True, timeout=600, env=env)
+    assert resumed.returncode == 0, resumed.stderr
+    summary = re.search(r"final model\s+│ (\S+) \(AutoModelForCausalLM", resumed.stdout)
+    assert summary and summary.group(1) == str(out / "final"), resumed.stdout
+    rounds = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [e["round"] for e in rounds if e.get("event") == "round"] == list(range(1, 31))
+    assert (out / "final" / "model.safetensors").is_file()
