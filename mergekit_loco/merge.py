@@ -239,7 +239,13 @@ def merge_checkpoints(
         base_reader = stack.enter_context(open_checkpoint(base)) if base is not None else readers[0]
         check_compatible(base_reader, readers)
         writer = stack.enter_context(
-            CheckpointWriter(out, max_shard_bytes, force, config_dir=base_reader.config_dir)
+            CheckpointWriter(
+                out,
+                max_shard_bytes,
+                force,
+                config_dir=base_reader.config_dir,
+                inputs=[*model_paths, base],
+            )
         )
         bar = stack.enter_context(merge_progress(progress))
         task = bar.add_task("merge", total=len(base_reader), tensor="")

@@ -80,7 +80,8 @@ def read_limited(path: Path, limit: int, what: str = "file") -> bytes:
         try:
             return handle.read(limit + 1)[:limit]
         except OSError as error:
-            raise UnsafeInputError(f"{shown(path)}: cannot read ({error.strerror or error})") from None
+            reason = error.strerror or error
+            raise UnsafeInputError(f"{shown(path)}: cannot read ({reason})") from None
 
 
 def _no_constant(name: str) -> object:

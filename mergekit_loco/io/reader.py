@@ -285,8 +285,8 @@ class CheckpointReader:
                 ) from error
             if not count:
                 raise CheckpointError(
-                    f"{shown(entry.file)}: data cut: tensor {shown(name)!r} ends at byte {entry.end} but the "
-                    f"file ends at byte {entry.begin + filled}"
+                    f"{shown(entry.file)}: data cut: tensor {shown(name)!r} ends at byte "
+                    f"{entry.end} but the file ends at byte {entry.begin + filled}"
                 )
             filled += count
         return buffer.view(entry.dtype).reshape(entry.shape)
