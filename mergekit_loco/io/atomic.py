@@ -183,12 +183,15 @@ def raise_on_signal(signum: int, frame: object) -> None:
 @contextmanager
 def signals_raise() -> Iterator[None]:
     """SIGINT/SIGTERM raise (see :func:`raise_on_signal`) inside the block, on the main thread;
-    the previous handlers come back afterwards. Ignored signals stay ignored."""
+    the previous handlers come back afterwards. Only default handlers are replaced: an ignored
+    signal stays ignored, and a program's own handler (e.g. the trainer's stop-between-rounds)
+    keeps working."""
+    defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
     previous = {}
     if threading.current_thread() is threading.main_thread():
-        for signum in (signal.SIGINT, signal.SIGTERM):
+        for signum, default in defaults.items():
             handler = signal.getsignal(signum)
-            if handler is not signal.SIG_IGN:
+            if handler in (default, raise_on_signal):
                 previous[signum] = handler
                 signal.signal(signum, raise_on_signal)
     try:
