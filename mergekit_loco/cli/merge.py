@@ -15,7 +15,14 @@ from rich.table import Table
 
 from mergekit_loco.cli.catalog import method_catalog, method_names
 from mergekit_loco.cli.command import command_line
-from mergekit_loco.cli.common import Debug, Quiet, format_bytes, parse_choice, user_errors
+from mergekit_loco.cli.common import (
+    Debug,
+    Quiet,
+    check_seed,
+    format_bytes,
+    parse_choice,
+    user_errors,
+)
 
 OUTPUT_DTYPES = ("float32", "bfloat16", "float16")
 COMPUTE_DTYPES = ("float32", "float64")
@@ -29,7 +36,10 @@ def parse_size(value: str) -> int:
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
     if not match or match.group(2).lower() not in SIZE_UNITS or float(match.group(1)) <= 0:
         raise ValueError(f"--shard-size: {value!r} is not a size like 5GB, 500MB or 2GiB")
-    return int(float(match.group(1)) * SIZE_UNITS[match.group(2).lower()])
+    size = int(float(match.group(1)) * SIZE_UNITS[match.group(2).lower()])
+    if size < 1:
+        raise ValueError(f"--shard-size: {value!r} is less than one byte")
+    return size
 
 
 def print_summary(summary) -> None:
@@ -123,6 +133,8 @@ def merge(
     """Merge fine-tunes of one base: theta = base + scale * method(model_t - base)."""
     if base is None and (message := missing_base(ctx, method)):
         raise ValueError(message)
+    if seed is not None:
+        check_seed(seed)
     given = {
         "density": density,
         "gamma": gamma,
