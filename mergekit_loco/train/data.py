@@ -38,7 +38,7 @@ EOS_TOKEN = "<|endoftext|>"
 TOKENIZER_TRAIN_CHARS = 4_000_000
 _CACHE_FORMAT = 1  # bump whenever a change alters the tokenizer or the token streams
 _ENCODE_CHUNK = 64  # documents per encode_batch call
-ENCODE_BATCH_CHARS = 4 * 2**20  # characters per encode_batch call (bounds its memory)
+ENCODE_BATCH_CHARS = 2**20  # characters per encode_batch call (bounds its memory)
 
 
 class DataExhausted(ValueError):

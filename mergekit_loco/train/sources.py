@@ -33,7 +33,7 @@ BUILTIN_SOURCES = ("stdlib", "pydoc", "austen", "bible")
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl")
 _STDLIB_SKIPPED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
 #: Largest piece of a document's text read at once (a file up to this size is one piece).
-CHUNK_BYTES = 4 * 2**20
+CHUNK_BYTES = 2**20
 #: Bytes of each file checked for binary content when the data spec is loaded.
 SNIFF_BYTES = 8192
 #: Longest ``.jsonl`` line (one document) accepted.
@@ -107,7 +107,7 @@ def _source_documents(source: str) -> list[Document]:
         if not documents:
             raise ValueError(f"data folder {source!r} holds no {'/'.join(TEXT_SUFFIXES)} files")
         return documents
-    if path.is_file():
+    if path.exists():  # a FIFO or device is refused by name here, not read
         return _file_documents(path, source)
     raise ValueError(
         f"unknown data source {source!r}: not one of {', '.join(BUILTIN_SOURCES)} "
