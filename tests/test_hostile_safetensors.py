@@ -214,8 +214,11 @@ def test_control_characters_in_names_stay_on_one_line(capsys, tmp_path, good):
 def valid_file() -> bytes:
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "v.safetensors"
-        tensors = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3),
-                   "b": torch.arange(3, dtype=torch.float16), "i": torch.tensor([1, 2])}  # fmt: skip
+        tensors = {
+            "w": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+            "b": torch.arange(3, dtype=torch.float16),
+            "i": torch.tensor([1, 2]),
+        }
         save_file(tensors, path, metadata={"format": "pt"})
         return path.read_bytes()
 
