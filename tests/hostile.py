@@ -13,6 +13,12 @@ import pytest
 
 from mergekit_loco.cli import main
 
+#: ``mloco train`` flags of a tiny run (micro model, 2 workers, 2 rounds of 256 tokens).
+TRAIN = [
+    "--model=micro", "--workers=2", "--inner-steps=2", "--global-batch=4", "--seq-len=32",
+    "--tokens=512", "--vocab-size=300", "--val-tokens=256", "--device=cpu", "--quiet",
+]  # fmt: skip
+
 _opened: list[str] | None = None
 
 
@@ -37,6 +43,7 @@ def recorded_opens() -> Iterator[list[str]]:
 
 def run_cli(capsys, *args) -> tuple[int, str, list[str]]:
     """``mloco ARGS`` through the entry point, in-process: (exit code, stderr, opened paths)."""
+    capsys.readouterr()  # drop what the test's own setup printed
     with recorded_opens() as opened, pytest.raises(SystemExit) as exited:
         main([str(arg) for arg in args])
     return exited.value.code, capsys.readouterr().err, [os.path.abspath(p) for p in opened]

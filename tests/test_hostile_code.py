@@ -9,12 +9,10 @@ from pathlib import Path
 import pytest
 from checkpoint_factory import save_model, tiny_llama
 from conftest import stdlib_corpus
-from hostile import assert_not_read, assert_refused, run_cli, snapshot
+from hostile import TRAIN, assert_not_read, assert_refused, run_cli, snapshot
 
 from mergekit_loco.train.data import train_tokenizer
 
-TRAIN = ["--model=micro", "--workers=2", "--inner-steps=2", "--global-batch=4", "--seq-len=32",
-         "--tokens=512", "--vocab-size=300", "--val-tokens=256", "--device=cpu", "--quiet"]  # fmt: skip
 EVIL = "import pathlib; pathlib.Path({sentinel!r}).write_text('ran')\n"
 
 

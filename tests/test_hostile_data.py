@@ -11,10 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-from hostile import assert_refused, run_cli, snapshot
+from hostile import TRAIN, assert_refused, run_cli, snapshot
 
-TRAIN = ["--model=micro", "--workers=2", "--inner-steps=2", "--global-batch=4", "--seq-len=32",
-         "--tokens=512", "--vocab-size=300", "--val-tokens=256", "--device=cpu", "--quiet"]  # fmt: skip
 LINE = "the quick brown fox jumps over the lazy dog, then rests a while by the river.\n"
 
 

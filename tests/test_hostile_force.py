@@ -10,14 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import stdlib_corpus
-from hostile import assert_refused, run_cli, snapshot
+from hostile import TRAIN, assert_refused, run_cli, snapshot
 from safetensors.torch import load_file, save_file
 
 from mergekit_loco.io import atomic
 from mergekit_loco.io.atomic import OWNER_MARKER
-
-TRAIN = ["--model=micro", "--workers=2", "--inner-steps=2", "--global-batch=4", "--seq-len=32",
-         "--tokens=512", "--vocab-size=300", "--val-tokens=256", "--device=cpu", "--quiet"]  # fmt: skip
 
 
 @pytest.fixture
