@@ -22,8 +22,8 @@ from mergekit_loco.io.atomic import (
     OWNER_MARKER,
     OutputRefused,
     is_ours,
+    claim_folder,
     is_plain_checkpoint,
-    mark_output,
     overlapping_input,
     remove_output,
 )
@@ -83,9 +83,10 @@ def looks_written_by_a_run(path: Path) -> bool:
 
 
 def clear_previous_run(out: Path) -> None:
-    """Delete what :func:`check_run_replaceable` allowed, then mark ``out`` as ours."""
+    """Delete what :func:`check_run_replaceable` allowed; mark ``out`` as ours if it is new or
+    empty (a folder holding the user's other files is used, never marked)."""
     out.mkdir(parents=True, exist_ok=True)
     for path in previous_run(out):
         remove_output(path)
     if not is_ours(out):
-        mark_output(out, "training run")
+        claim_folder(out, "training run")

@@ -82,6 +82,14 @@ def mark_output(folder: Path, kind: str) -> None:
     write_atomically(folder / OWNER_MARKER, json.dumps(marker) + "\n")
 
 
+def claim_folder(folder: Path, kind: str) -> None:
+    """Create ``folder`` (and parents) and mark it as ours if it is new or empty; a folder that
+    already holds other files is used but not marked (so ``--force`` never treats it as ours)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if not any(folder.iterdir()):
+        mark_output(folder, kind)
+
+
 def is_ours(folder: Path) -> bool:
     """``folder`` is a real folder (not a symlink) holding our marker as a regular file."""
     marker = folder / OWNER_MARKER

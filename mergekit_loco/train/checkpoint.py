@@ -29,6 +29,7 @@ import hashlib
 import json
 import re
 import shutil
+import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -314,7 +315,8 @@ def load_checkpoint(path: Path, worker_ids: Iterable[int], rank: int) -> Checkpo
     verify(path, needed)
 
     def torch_load(name: str):
-        with reading(path / name):
+        with reading(path / name), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's notes on odd pickles: the error says it
             return torch.load(path / name, map_location="cpu", weights_only=True)
 
     global_params = {}
