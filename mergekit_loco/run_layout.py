@@ -21,8 +21,8 @@ from pathlib import Path
 from mergekit_loco.io.atomic import (
     OWNER_MARKER,
     OutputRefused,
-    is_ours,
     claim_folder,
+    is_ours,
     is_plain_checkpoint,
     overlapping_input,
     remove_output,
