@@ -119,9 +119,7 @@ def read_header(file: Path) -> dict[str, TensorEntry]:
     if not isinstance(metadata, dict) or not all(
         isinstance(value, str) for value in metadata.values()
     ):
-        raise CheckpointError(
-            f"{where}: corrupt header: __metadata__ must map strings to strings"
-        )
+        raise CheckpointError(f"{where}: corrupt header: __metadata__ must map strings to strings")
     entries = {name: parse_entry(file, name, info, data_start) for name, info in header.items()}
     check_tiling(file, entries, data_start, file_size)
     return entries
@@ -161,9 +159,10 @@ def parse_entry(file: Path, name: str, info: object, data_start: int) -> TensorE
     dtype_name, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
     if not isinstance(shape, list) or not all(is_count(size) for size in shape):
         raise CheckpointError(f"{label} has a shape that is not a list of non-negative integers")
-    if not (
-        isinstance(offsets, list) and len(offsets) == 2 and all(map(is_count, offsets))
-    ) or offsets[0] > offsets[1]:
+    if (
+        not (isinstance(offsets, list) and len(offsets) == 2 and all(map(is_count, offsets)))
+        or offsets[0] > offsets[1]
+    ):
         raise CheckpointError(f"{label} has data_offsets that are not [begin, end], begin <= end")
     if not isinstance(dtype_name, str) or dtype_name not in SAFETENSORS_DTYPES:
         raise CheckpointError(f"{label} has an unknown dtype")

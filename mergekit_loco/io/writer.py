@@ -219,9 +219,7 @@ class CheckpointWriter:
             yield
         except OSError as error:
             reason = error.strerror or str(error)
-            raise CheckpointError(
-                f"cannot write {what}{shown(self.out_path)}: {reason}"
-            ) from error
+            raise CheckpointError(f"cannot write {what}{shown(self.out_path)}: {reason}") from error
 
     # -- context: staging, cleanup, signals -----------------------------------------------------
     def __enter__(self) -> CheckpointWriter:
