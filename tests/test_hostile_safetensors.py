@@ -74,7 +74,7 @@ MALFORMED = {
         ),
         "NaN is not JSON",
     ),
-    "deep_nesting": (raw_file('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"), "nested more"),
+    "deep_nesting": (raw_file('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"), "nested too deep"),
     "negative_shape": (
         raw_file(entries(a={"dtype": "F32", "shape": [-1], "data_offsets": [0, 0]})),
         "non-negative integers",

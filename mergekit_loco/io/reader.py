@@ -76,8 +76,8 @@ def read_header(file: Path) -> dict[str, TensorEntry]:
     """Parse and check the header of one safetensors file; entries in header order.
 
     Checks what the format (and the ``safetensors`` library) requires: an 8-byte little-endian
-    length N <= 100 MB, N bytes of UTF-8 JSON (an object, no duplicate keys, nesting at most 3
-    deep), ``__metadata__`` mapping strings to strings, each tensor ``{"dtype", "shape",
+    length N <= 100 MB, N bytes of UTF-8 JSON (an object, no duplicate keys, no NaN),
+    ``__metadata__`` mapping strings to strings, each tensor ``{"dtype", "shape",
     "data_offsets"}`` with a known dtype, non-negative integer shape and ``end - begin = numel x
     itemsize``, and the tensors' byte ranges tiling the data section exactly (sorted by offset,
     the first begins at 0, each begins where the previous ends, the last ends at the end of the
@@ -111,7 +111,7 @@ def read_header(file: Path) -> dict[str, TensorEntry]:
     if not raw_header.startswith(b"{"):
         raise CheckpointError(f"{where}: bad JSON header (not an object)")
     try:
-        header = parse_json(raw_header, f"{where}: bad JSON header", max_depth=3)
+        header = parse_json(raw_header, f"{where}: bad JSON header")
     except UnsafeInputError as error:
         raise CheckpointError(str(error)) from None
     data_start = LENGTH_PREFIX_BYTES + header_bytes

@@ -41,6 +41,7 @@ from safetensors.torch import save_file
 from mergekit_loco.io import CheckpointError, open_checkpoint
 from mergekit_loco.io.atomic import staged_output, write_atomically
 from mergekit_loco.io.files import (
+    MAX_JSON_BYTES,
     UnsafeInputError,
     open_regular,
     parse_json,
@@ -259,7 +260,7 @@ def read_state(path: Path) -> dict:
     verify(path, [STATE])
     file = path / STATE
     try:
-        state = parse_json(file.read_bytes(), shown(file))
+        state = parse_json(read_limited(file, MAX_JSON_BYTES, STATE), shown(file))
     except UnsafeInputError as error:
         raise CheckpointCorrupt(f"checkpoint file {error}") from None
     problem = None

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import json
 from array import array
 from collections.abc import Callable, Iterable, Iterator
@@ -24,7 +23,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from mergekit_loco.io.atomic import staged_output, write_atomically
+from mergekit_loco.io.atomic import staged_output
 from mergekit_loco.io.hf import NO_REMOTE_CODE, check_hf_folder
 from mergekit_loco.train.sources import (
     Document,
@@ -212,9 +211,8 @@ def prepare_data(
         cached = _tokenize_split(
             documents, tokenizer_object, eos_id, spec, max_train_tokens, val_tokens, seed, val_seed
         )
-        buffer = io.BytesIO()
-        torch.save(cached, buffer)
-        write_atomically(path, buffer.getvalue())
+        with staged_output(path, "token cache", replace=True, file=True) as staging:
+            torch.save(cached, staging / path.name)
     description = (
         f"{spec}: {cached['documents']} documents ({len(cached['val_documents'])} held out), "
         f"{cached['train'].numel():,} train and {cached['val'].numel():,} val tokens, "
