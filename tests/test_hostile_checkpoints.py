@@ -77,7 +77,7 @@ def damage(run: Path, case: str, sentinel: Path) -> tuple[Path, str]:
         return folder / "shared.pt", "cannot be loaded"
     if case == "shared_missing_key":
         torch.save({"momentum_buffers": {}}, folder / "shared.pt")
-        return folder / "shared.pt", "missing entry 'steps_taken'"
+        return folder / "shared.pt", "missing entry"
     if case == "worker_not_a_state":
         torch.save([1, 2, 3], folder / "worker-0000.pt")
         return folder / "worker-0000.pt", "does not hold what this run needs"
