@@ -108,11 +108,13 @@ def parse_json(raw: bytes, where: str) -> object:
     try:
         return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
     except json.JSONDecodeError as error:
-        raise UnsafeInputError(f"{where} (bad JSON: {error.msg} at char {error.pos})") from None
+        raise UnsafeInputError(
+            f"{where}: not valid JSON ({error.msg} at char {error.pos})"
+        ) from None
     except RecursionError:
-        raise UnsafeInputError(f"{where} (JSON nested too deep)") from None
+        raise UnsafeInputError(f"{where}: not valid JSON (nested too deep)") from None
     except ValueError as error:
-        raise UnsafeInputError(f"{where} ({error})") from None
+        raise UnsafeInputError(f"{where}: not valid JSON ({error})") from None
 
 
 def read_json(path: Path, what: str = "JSON file", limit: int = MAX_JSON_BYTES) -> object:
