@@ -22,6 +22,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from mergekit_loco.compare.stats import Spread, spread
 from mergekit_loco.io import open_checkpoint
+from mergekit_loco.io.files import MAX_JSON_BYTES, read_limited, shown
+from mergekit_loco.io.hf import NO_REMOTE_CODE, check_hf_folder
 from mergekit_loco.train.data import evaluate_loss, prepare_data
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -55,8 +57,11 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> PreTrain
     with open_checkpoint(path) as reader:
         config_file = reader.config_dir / "config.json"
         if not config_file.is_file():
-            raise ValueError(f"{path}: no config.json beside the weights ({reader.config_dir})")
-        config = AutoConfig.from_pretrained(reader.config_dir, local_files_only=True)
+            raise ValueError(
+                f"{shown(path)}: no config.json beside the weights ({shown(reader.config_dir)})"
+            )
+        folder = check_hf_folder(reader.config_dir, "model")
+        config = AutoConfig.from_pretrained(folder, **NO_REMOTE_CODE)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         weights = {name: reader.get(name) for name in reader.names()}
     result = model.load_state_dict(weights, strict=False)
@@ -79,12 +84,12 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> PreTrain
 def tokenizer_folder(model: str | Path, tokenizer: str | Path | None = None) -> Path:
     """``tokenizer`` if given, else the folder of ``model``'s config, which must hold one."""
     if tokenizer is not None:
-        return Path(tokenizer)
+        return check_hf_folder(tokenizer, "tokenizer")
     with open_checkpoint(model) as reader:
         folder = reader.config_dir
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
-        raise ValueError(f"{model}: no tokenizer in {folder}; pass --tokenizer")
-    return folder
+        raise ValueError(f"{shown(model)}: no tokenizer in {shown(folder)}; pass --tokenizer")
+    return check_hf_folder(folder, "tokenizer")
 
 
 def held_out_tokens(data: str, tokenizer: str | Path, tokens: int, seed: int = 0) -> torch.Tensor:
@@ -103,7 +108,9 @@ def _held_out(data: str, tokenizer: str, fingerprint: str, tokens: int, seed: in
 
 
 def _file_digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else str(path)
+    if not path.is_file():
+        return str(path)
+    return hashlib.sha256(read_limited(path, MAX_JSON_BYTES, "tokenizer file")).hexdigest()
 
 
 def predicted_tokens(tokens: int, seq_len: int) -> int:

@@ -173,4 +173,4 @@ def merge_to_lora(
             "alpha_pattern": dict(pattern),
             "target_modules": sorted({module.rsplit(".", 1)[-1] for module in ranks}),
         }
-        return write_lora_adapter(out, tensors, config, force)
+        return write_lora_adapter(out, tensors, config, force, [*adapter_paths, base])

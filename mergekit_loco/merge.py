@@ -79,7 +79,10 @@ def missing_base_message(method: str, models: Sequence[Path], out: str | Path) -
 
 def all_finite(tensor: torch.Tensor) -> bool:
     """NaN and Inf propagate into a sum, so a finite sum proves every entry finite (and is
-    several times cheaper than ``isfinite``); only an overflowing sum needs the full check."""
+    several times cheaper than ``isfinite``); only an overflowing sum needs the full check.
+    8-bit floats (F8_E4M3, F8_E5M2), which torch cannot sum, are checked in float32."""
+    if tensor.dtype.itemsize == 1:
+        tensor = tensor.float()
     return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
 
 
@@ -261,6 +264,8 @@ def merge_checkpoints(
     ``theta = theta_base + scale * method([theta_t - theta_base])`` for every floating tensor of
     the base; other tensors are copied from the base. ``dtype`` is the output dtype of floating
     tensors (default: the base's); deltas and the merge run in ``compute_dtype`` on ``device``.
+    8-bit float inputs (F8_E4M3, F8_E5M2) are merged in ``compute_dtype`` and written back in
+    their dtype (a merged value beyond its range is an error, not a silent NaN).
     ``base=None`` is allowed for methods that need none (``mean``): the first model serves as
     base, so the result is ``mean(models)`` at scale 1. ``out`` ending in ``.safetensors`` is a
     file, anything else a Hugging Face folder with the base's config and tokenizer files.
@@ -280,6 +285,8 @@ def merge_checkpoints(
         raise ValueError(f"compute dtype must be floating point, not {compute_dtype}")
     if dtype is not None and not dtype.is_floating_point:
         raise ValueError(f"output dtype must be floating point, not {dtype}")
+    if not (isinstance(scale, int | float) and abs(scale) <= torch.finfo(compute_dtype).max):
+        raise ValueError(f"--scale: {scale!r} is not a finite number in {compute_dtype}")
     target = resolve_device(device)
     merged_count = copied_count = 0
     with ExitStack() as stack:
@@ -304,6 +311,7 @@ def merge_checkpoints(
                 max_shard_bytes,
                 force,
                 config_dir=config_source(base_reader, readers, appended),
+                inputs=[*model_paths, base],
             )
         )
         stream = prefetched_inputs(base_reader, readers, compute_dtype, dtype)

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from mergekit_loco.io.atomic import OWNER_MARKER
 from mergekit_loco.train import checkpoint as ckpt
 from mergekit_loco.train.checkpoint import (
     Checkpoint,
@@ -48,9 +49,9 @@ def test_layout_manifest_and_round_trip(tmp_path, group):
     names = sorted(p.name for p in path.iterdir())
     assert names == sorted(["state.json", "global.safetensors", "shared.pt", "manifest.json",
                             "worker-0000.pt", "worker-0001.pt", "worker-0002.pt",
-                            "rng-rank-0000.pt"])  # fmt: skip
+                            "rng-rank-0000.pt", OWNER_MARKER])  # fmt: skip
     manifest = json.loads((path / "manifest.json").read_text())["files"]
-    assert set(manifest) == set(names) - {"manifest.json"}
+    assert set(manifest) == set(names) - {"manifest.json", OWNER_MARKER}
     for name, digest in manifest.items():
         assert hashlib.sha256((path / name).read_bytes()).hexdigest() == digest
 

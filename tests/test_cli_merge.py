@@ -334,13 +334,14 @@ def test_single_files_in_sharded_folder_out_with_force(files, tmp_path):
     base, models = files
     out = tmp_path / "merged"
     (out).mkdir()
-    (out / "stale.bin").write_bytes(b"old")
+    (out / "model-00001-of-00099.safetensors").write_bytes(b"old")  # a checkpoint's shard
     args = ["merge", *models, "--base", base, "-m", "dare", "--density", "0.5", "--seed", "1"]
     result = invoke(*args, "-o", out, "--shard-size", "8KiB", "--force", "--quiet")
     assert result.exit_code == 0, result.output
     assert result.stdout == ""
     names = {p.name for p in out.iterdir()}
-    assert "stale.bin" not in names and "model.safetensors.index.json" in names
+    assert "model-00001-of-00099.safetensors" not in names
+    assert "model.safetensors.index.json" in names
     assert set(load_state_dict(out)) == set(load_state_dict(base))
 
 

@@ -331,7 +331,7 @@ def test_checkpoint_write_killed_half_way_keeps_the_previous_one(corpus, tmp_pat
         kill_group(process)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert latest_checkpoint(tmp_path).name == "round-000001"
-    (staging,) = (tmp_path / "checkpoints").glob("round-000002.tmp-*")
+    (staging,) = (tmp_path / "checkpoints").glob(".round-000002.tmp-*")
     assert not (staging / "manifest.json").exists()
     assert not (tmp_path / "checkpoints" / "round-000002").exists()
 

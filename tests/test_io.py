@@ -18,6 +18,7 @@ from mergekit_loco.io import (
     open_checkpoint,
 )
 from mergekit_loco.io import writer as writer_module
+from mergekit_loco.io.atomic import OWNER_MARKER, raise_on_signal
 
 MIXED = {
     "odd_bf16": torch.arange(3, dtype=torch.bfloat16),  # 6 bytes: would misalign what follows
@@ -176,7 +177,7 @@ def test_writer_shards_folder_with_index_and_configs(tmp_path):
     names = sorted(p.name for p in out.iterdir())
     shards = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
     assert names == sorted(
-        [*shards, "model.safetensors.index.json", "config.json", "tokenizer.json"]
+        [*shards, "model.safetensors.index.json", "config.json", "tokenizer.json", OWNER_MARKER]
     )
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert index["weight_map"] == {
@@ -194,7 +195,8 @@ def test_writer_shards_folder_with_index_and_configs(tmp_path):
 def test_writer_one_shard_is_model_safetensors(tmp_path):
     with CheckpointWriter(tmp_path / "merged") as writer:
         writer.write("w", torch.ones(3))
-    assert sorted(p.name for p in (tmp_path / "merged").iterdir()) == ["model.safetensors"]
+    names = sorted(p.name for p in (tmp_path / "merged").iterdir())
+    assert names == [OWNER_MARKER, "model.safetensors"]
 
 
 def test_writer_refuses_existing_output_before_any_work(tmp_path):
@@ -205,13 +207,14 @@ def test_writer_refuses_existing_output_before_any_work(tmp_path):
     assert out.read_bytes() == b"precious"
 
 
-def test_writer_force_replaces_folder(tmp_path):
+def test_writer_force_replaces_an_output_it_wrote(tmp_path):
     out = tmp_path / "merged"
-    out.mkdir()
-    (out / "stale.txt").write_text("old")
+    with CheckpointWriter(out) as writer:
+        writer.write("old", torch.ones(2))
+    (out / "stale.txt").write_text("old")  # ours (marked), so --force may replace all of it
     with CheckpointWriter(out, force=True) as writer:
         writer.write("w", torch.ones(3))
-    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [OWNER_MARKER, "model.safetensors"]
     assert leftovers(tmp_path) == []
 
 
@@ -258,6 +261,6 @@ def test_writer_restores_signal_handlers(tmp_path):
 
     before = signal.getsignal(signal.SIGTERM)
     with CheckpointWriter(tmp_path / "o.safetensors") as writer:
-        assert signal.getsignal(signal.SIGTERM) is writer_module.raise_on_signal
+        assert signal.getsignal(signal.SIGTERM) is raise_on_signal
         writer.write("w", torch.ones(3))
     assert signal.getsignal(signal.SIGTERM) is before

@@ -192,8 +192,8 @@ def test_low_rank_svd_matches_numpy():
 @pytest.mark.parametrize(
     ("config", "fragments"),
     [
-        ({"use_dora": True}, ["use_dora=True", "DoRA"]),
-        ({"bias": "all"}, ["bias='all'"]),
+        ({"use_dora": True}, ["'use_dora' is true", "DoRA"]),
+        ({"bias": "all"}, ["'bias' is \"all\""]),
         ({"modules_to_save": ["lm_head"]}, ["modules_to_save"]),
     ],
 )

@@ -13,7 +13,9 @@ from typing import Annotated, TypeVar
 
 import typer
 
-USER_ERRORS = (ValueError, KeyError, OSError)
+from mergekit_loco.io.files import shown
+
+USER_ERRORS = (ValueError, KeyError, OSError, OverflowError)
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
 
@@ -23,14 +25,15 @@ Command = TypeVar("Command", bound=Callable)
 
 
 def one_line(error: BaseException | str) -> str:
-    """The error as one line: KeyError without quotes, OSError as ``file: reason``."""
+    """The error as one line: KeyError without quotes, OSError as ``file: reason``; control and
+    format characters (a crafted file name's newline or escape sequence) are escaped."""
     if isinstance(error, KeyError) and error.args:
         message = str(error.args[0])
     elif isinstance(error, OSError) and error.filename and error.strerror:
         message = f"{error.filename}: {error.strerror}"
     else:
         message = str(error)
-    return " ".join(message.split()) or type(error).__name__
+    return shown(" ".join(message.split())) or type(error).__name__
 
 
 def print_error(message: str) -> None:
@@ -61,6 +64,13 @@ def parse_choice(option: str, value: str, choices: Sequence[str]) -> str:
     if value not in choices:
         raise ValueError(f"{option} must be one of {', '.join(choices)}, not {value!r}")
     return value
+
+
+def check_seed(seed: int, option: str = "--seed") -> int:
+    """A seed torch accepts: an integer in [0, 2**63)."""
+    if not 0 <= seed < 2**63:
+        raise ValueError(f"{option}: {seed} is not an integer in [0, 2**63)")
+    return seed
 
 
 def format_bytes(count: float) -> str:

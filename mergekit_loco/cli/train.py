@@ -18,6 +18,7 @@ from mergekit_loco.cli.common import (
     EXIT_INTERRUPTED,
     Debug,
     Quiet,
+    check_seed,
     one_line,
     print_error,
     user_errors,
@@ -250,6 +251,8 @@ def train_command(
     debug: Debug = False,
 ) -> None:
     """DiLoCo training where any merge method is the aggregator (or a data-parallel baseline)."""
+    if seed is not None:
+        check_seed(seed)
     aggregator_options = parse_aggregator_options(option or [])
     named = {"density": density, "gamma": gamma, "common_fraction": common_fraction,
              "spectral": spectral}  # fmt: skip

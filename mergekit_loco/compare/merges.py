@@ -15,7 +15,7 @@ from rich.console import Console
 
 from mergekit_loco import evaluate
 from mergekit_loco.compare.merge_report import EVALUATIONS, MergeRow, report_merges
-from mergekit_loco.io.atomic import write_atomically
+from mergekit_loco.io.atomic import claim_folder, write_atomically
 from mergekit_loco.merge import merge_checkpoints
 from mergekit_loco.methods import get_method
 
@@ -53,6 +53,7 @@ def compare_merges(
     ``val_tokens``.
     """
     out = Path(out)
+    claim_folder(out, "compare merges")
     console = console or Console(quiet=True)
     seq_len = seq_len or DEFAULT_EVAL_SEQ_LEN
     if len(finetuned) != len(data):

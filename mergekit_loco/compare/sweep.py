@@ -27,7 +27,7 @@ from mergekit_loco import run_layout
 from mergekit_loco.compare.runs import BASELINE, FAILED_FILE, is_finished, load_run, read_run_config
 from mergekit_loco.compare.sweep_report import SummaryRow, report_sweep
 from mergekit_loco.compare.tables import format_number
-from mergekit_loco.io.atomic import write_atomically
+from mergekit_loco.io.atomic import claim_folder, write_atomically
 from mergekit_loco.train.checkpoint import latest_checkpoint
 from mergekit_loco.train.config import TrainConfig, preset_config
 from mergekit_loco.train.loop import train
@@ -242,6 +242,7 @@ def run_sweep(
     its own process with ``cpu_count / jobs`` threads), then write the report."""
     if jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
+    claim_folder(Path(out), "compare sweep")
     runs_dir = Path(out) / run_layout.SWEEP_RUNS
     cells = plan(sweep)
     console = console or Console(quiet=True)

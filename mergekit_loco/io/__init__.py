@@ -3,8 +3,9 @@
 This package knows nothing about merge methods.
 """
 
+from mergekit_loco.io.atomic import OutputExistsError, OutputRefused
 from mergekit_loco.io.reader import CheckpointError, CheckpointReader, open_checkpoint
-from mergekit_loco.io.writer import DEFAULT_MAX_SHARD_BYTES, CheckpointWriter, OutputExistsError
+from mergekit_loco.io.writer import DEFAULT_MAX_SHARD_BYTES, CheckpointWriter
 
 __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
@@ -12,5 +13,6 @@ __all__ = [
     "CheckpointReader",
     "CheckpointWriter",
     "OutputExistsError",
+    "OutputRefused",
     "open_checkpoint",
 ]

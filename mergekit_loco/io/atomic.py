@@ -1,10 +1,63 @@
-"""Small files written atomically: a temp file in the same folder, then ``os.replace``."""
+"""Outputs written atomically, and replaced only when they are ours.
+
+Two writers, one rule each:
+
+- :func:`write_atomically` for one small file (temp file in the same folder, then ``os.replace``).
+- :func:`staged_output` for everything else (a merged checkpoint, a training checkpoint, a final
+  model, a tokenizer cache): the caller fills a hidden staging folder ``.NAME.tmp-XXXX`` beside
+  the target; when the ``with`` block ends without error the ownership marker is written into
+  it and it is renamed into place. On an exception, Ctrl-C or SIGTERM the staging folder (and any
+  parent folder made for it) is removed and the target is untouched.
+
+A folder this tool creates carries :data:`OWNER_MARKER`. :func:`check_output` decides whether an
+existing output may be replaced (``--force``): only one with that marker, or one that is a
+checkpoint and nothing else (:func:`is_plain_checkpoint`), never a symlink, never a path that
+holds, or lies inside, one of the run's inputs.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import signal
 import tempfile
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+from mergekit_loco.io.files import shown
+
+#: The file that marks a folder as written by mergekit_loco (``--force`` may replace it).
+OWNER_MARKER = ".mloco-output.json"
+#: File names a checkpoint folder may hold (besides ``*.safetensors`` and index files).
+CHECKPOINT_SIDE_FILES = frozenset(
+    {
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "added_tokens.json",
+        "tokenizer.model",
+        "spiece.model",
+        "vocab.json",
+        "vocab.txt",
+        "merges.txt",
+        "chat_template.jinja",
+        "chat_template.json",
+        OWNER_MARKER,
+    }
+)
+
+
+class OutputRefused(ValueError):
+    """An output path that may not be written or replaced; the message says why."""
+
+
+class OutputExistsError(OutputRefused):
+    """The output path exists and ``force`` was not given."""
 
 
 def write_atomically(path: Path, data: str | bytes) -> None:
@@ -20,3 +73,207 @@ def write_atomically(path: Path, data: str | bytes) -> None:
     except BaseException:
         Path(staging).unlink(missing_ok=True)
         raise
+
+
+# -- ownership -----------------------------------------------------------------------------------
+def mark_output(folder: Path, kind: str) -> None:
+    """Write the ownership marker (``{"written_by": "mergekit_loco", "kind": kind}``)."""
+    marker = {"written_by": "mergekit_loco", "kind": kind}
+    write_atomically(folder / OWNER_MARKER, json.dumps(marker) + "\n")
+
+
+def claim_folder(folder: Path, kind: str) -> None:
+    """Create ``folder`` (and parents) and mark it as ours if it is new or empty; a folder that
+    already holds other files is used but not marked (so ``--force`` never treats it as ours)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if not any(folder.iterdir()):
+        mark_output(folder, kind)
+
+
+def is_ours(folder: Path) -> bool:
+    """``folder`` is a real folder (not a symlink) holding our marker as a regular file."""
+    marker = folder / OWNER_MARKER
+    real = not (folder.is_symlink() or marker.is_symlink())
+    return real and folder.is_dir() and marker.is_file()
+
+
+def is_plain_checkpoint(path: Path) -> bool:
+    """A ``.safetensors`` file, or a folder of regular files that all belong to a checkpoint
+    (``*.safetensors``, ``*.safetensors.index.json``, config and tokenizer files) and nothing
+    else: replacing it with ``--force`` loses no other file."""
+    if path.is_symlink():
+        return False
+    if path.is_file():
+        return path.suffix == ".safetensors"
+    if not path.is_dir():
+        return False
+    entries = list(path.iterdir())
+    return bool(entries) and all(
+        entry.is_file()
+        and not entry.is_symlink()
+        and (
+            entry.suffix == ".safetensors"
+            or entry.name.endswith(".safetensors.index.json")
+            or entry.name in CHECKPOINT_SIDE_FILES
+        )
+        for entry in entries
+    )
+
+
+def overlapping_input(target: Path, inputs: Iterable[str | Path | None]) -> Path | None:
+    """The first input that ``target`` is, holds, or lies inside (resolved paths), if any."""
+    where = target.resolve()
+    for given in inputs:
+        if given is None:
+            continue
+        source = Path(given).expanduser()
+        if not (source.exists() or source.is_symlink()):
+            continue
+        resolved = source.resolve()
+        if resolved.is_relative_to(where) or where.is_relative_to(resolved):
+            return source
+        if source.absolute().is_relative_to(target.absolute()):  # a symlink inside the target
+            return source
+    return None
+
+
+def check_output(
+    target: Path, force: bool, inputs: Iterable[str | Path | None] = (), kind: str = "output"
+) -> None:
+    """Refuse to write ``target`` unless it is free, or ``force`` and it is ours or a checkpoint.
+
+    Always refused: a target that is, holds or lies inside an input (``inputs``), and a target
+    that is a symlink. Raises :class:`OutputExistsError` (exists, no ``force``) or
+    :class:`OutputRefused`, naming the path and what to do.
+    """
+    source = overlapping_input(target, inputs)
+    if source is not None:
+        raise OutputRefused(
+            f"{shown(target)}: the {kind} would overlap the input {shown(source)} (it is, holds or "
+            "lies inside it); choose another output path"
+        )
+    if target.is_symlink():
+        raise OutputRefused(
+            f"{shown(target)}: the {kind} path is a symlink; refused (remove the link or choose "
+            "another path)"
+        )
+    if not target.exists():
+        return
+    what = "folder" if target.is_dir() else "file"
+    if not force:
+        raise OutputExistsError(
+            f"{shown(target)}: {kind} {what} exists; pass --force (force=True) to replace it"
+        )
+    if not (is_ours(target) or is_plain_checkpoint(target)):
+        raise OutputRefused(
+            f"{shown(target)}: --force replaces only an output mergekit_loco wrote or a "
+            f"checkpoint and nothing else, and this {what} is neither; remove it yourself or "
+            "choose another path"
+        )
+
+
+def remove_output(path: Path) -> None:
+    """Delete a file or folder that :func:`check_output` allowed (a symlink only as a link)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+# -- staging ---------------------------------------------------------------------------------------
+def raise_on_signal(signum: int, frame: object) -> None:
+    """SIGINT -> KeyboardInterrupt, SIGTERM -> SystemExit(128 + signum), so cleanup runs."""
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise SystemExit(128 + signum)
+
+
+@contextmanager
+def signals_raise() -> Iterator[None]:
+    """SIGINT/SIGTERM raise (see :func:`raise_on_signal`) inside the block, on the main thread;
+    the previous handlers come back afterwards. Only default handlers are replaced: an ignored
+    signal stays ignored, and a program's own handler (e.g. the trainer's stop-between-rounds)
+    keeps working."""
+    defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum, default in defaults.items():
+            handler = signal.getsignal(signum)
+            if handler in (default, raise_on_signal):
+                previous[signum] = handler
+                signal.signal(signum, raise_on_signal)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+
+def make_missing_dirs(folder: Path) -> list[Path]:
+    """Create ``folder`` and its missing parents; return those created, deepest first."""
+    missing = []
+    while not (folder.exists() or folder.is_symlink()):
+        missing.append(folder)
+        folder = folder.parent
+    for created in reversed(missing):
+        created.mkdir()
+    return missing
+
+
+def commit(built: Path, target: Path, replace: bool) -> None:
+    """Rename ``built`` to ``target``. An existing target (only if ``replace``) is first renamed
+    to ``.NAME.old-<pid>`` and deleted once the new one is in place (renamed back if that fails),
+    so no failure leaves a ``.old-`` path or no target."""
+    if not (target.exists() or target.is_symlink()):
+        os.rename(built, target)
+        return
+    if not replace:
+        raise OutputExistsError(f"{shown(target)}: appeared while it was being written")
+    old = target.with_name(f".{target.name}.old-{os.getpid()}-{os.urandom(4).hex()}")
+    os.rename(target, old)
+    try:
+        os.rename(built, target)
+    except BaseException:
+        os.rename(old, target)
+        raise
+    remove_output(old)
+
+
+@contextmanager
+def staged_output(
+    target: Path, kind: str, replace: bool = False, file: bool = False
+) -> Iterator[Path]:
+    """Yield a fresh staging folder beside ``target``; commit it on success, remove it on failure.
+
+    ``kind`` names what is written (``"merge"``, ``"checkpoint"``, ``"final model"``, ...). On a
+    clean exit: for a folder target the marker :data:`OWNER_MARKER` is written into the staging
+    folder, which then becomes ``target``; for a file target (``file=True``) the caller writes
+    ``staging / target.name``, which then becomes ``target``. ``replace`` allows an existing
+    target to be swapped out (call :func:`check_output` first). Permissions follow the umask
+    (not mkdtemp's 0700).
+    """
+    target = Path(target)
+    created = make_missing_dirs(target.parent)
+    committed = False
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        with signals_raise():
+            yield staging
+            umask = os.umask(0)
+            os.umask(umask)
+            staging.chmod(0o777 & ~umask)
+            if file:
+                commit(staging / target.name, target, replace)
+            else:
+                mark_output(staging, kind)
+                commit(staging, target, replace)
+            committed = True
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+        if not committed:
+            for folder in created:
+                try:
+                    folder.rmdir()
+                except OSError:
+                    break

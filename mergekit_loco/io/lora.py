@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
-import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from mergekit_loco.io.atomic import check_output, staged_output
 from mergekit_loco.io.reader import CheckpointError, CheckpointReader, read_header
-from mergekit_loco.io.writer import check_output_free
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -51,7 +49,8 @@ def read_adapter_config(folder: Path) -> dict:
     ]
     for option, refused, reason in refusals:
         if refused:
-            raise CheckpointError(f"{file}: {option}={config.get(option)!r}: {reason}")
+            shown_value = json.dumps(config.get(option))
+            raise CheckpointError(f"{file}: {option!r} is {shown_value}: {reason}")
     if not isinstance(config.get("r"), int) or config["r"] <= 0:
         raise CheckpointError(f"{file}: 'r' must be a positive integer, not {config.get('r')!r}")
     return config
@@ -162,30 +161,18 @@ class LoraAdapter:
 
 
 def write_lora_adapter(
-    out: str | Path, tensors: dict[str, torch.Tensor], config: dict, force: bool = False
+    out: str | Path,
+    tensors: dict[str, torch.Tensor],
+    config: dict,
+    force: bool = False,
+    inputs: Sequence[str | Path | None] = (),
 ) -> Path:
     """Write a PEFT adapter folder (``adapter_model.safetensors`` + ``adapter_config.json``)
-    atomically: built in a hidden sibling, renamed into place; an existing ``out`` is replaced
-    only with ``force`` (moved aside first, deleted once the new folder is in place)."""
+    atomically, with the output rules of every mloco output (see
+    :func:`mergekit_loco.io.atomic.check_output`)."""
     out = Path(out)
-    check_output_free(out, force)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    aside = None
-    try:
+    check_output(out, force, inputs, kind="LoRA adapter")
+    with staged_output(out, "lora adapter", replace=force) as staging:
         save_file(tensors, staging / ADAPTER_WEIGHTS, metadata={"format": "pt"})
         (staging / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-        staging.chmod(0o755)
-        if out.exists():
-            aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.replace(out, aside / out.name)
-        os.replace(staging, out)
-    except BaseException:
-        if aside is not None and not out.exists():
-            os.replace(aside / out.name, out)
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    finally:
-        if aside is not None:
-            shutil.rmtree(aside, ignore_errors=True)
     return out

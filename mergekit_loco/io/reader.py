@@ -11,19 +11,32 @@ with all its inputs resident.)
 
 from __future__ import annotations
 
-import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
 import torch
 
+from mergekit_loco.io.files import (
+    UnsafeInputError,
+    inside,
+    open_regular,
+    parse_json,
+    read_json,
+    shown,
+)
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 LENGTH_PREFIX_BYTES = 8
 #: safetensors refuses headers above 100 MB too; a bigger length means a corrupt prefix.
 MAX_HEADER_BYTES = 100_000_000
+#: Elements per tensor (and any shape entry) must stay below 2**63: torch sizes are int64.
+MAX_NUMEL = 2**63
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -62,98 +75,150 @@ class TensorEntry:
 def read_header(file: Path) -> dict[str, TensorEntry]:
     """Parse and check the header of one safetensors file; entries in header order.
 
-    Raises :class:`CheckpointError` for a missing or unreadable file, a cut or non-JSON header,
-    an unknown dtype, offsets that disagree with dtype x shape, or data past the end of the file.
+    Checks what the format (and the ``safetensors`` library) requires: an 8-byte little-endian
+    length N <= 100 MB, N bytes of UTF-8 JSON (an object, no duplicate keys, no NaN),
+    ``__metadata__`` mapping strings to strings, each tensor ``{"dtype", "shape",
+    "data_offsets"}`` with a known dtype, non-negative integer shape and ``end - begin = numel x
+    itemsize``, and the tensors' byte ranges tiling the data section exactly (sorted by offset,
+    the first begins at 0, each begins where the previous ends, the last ends at the end of the
+    file: no overlap, gap or trailing byte). Raises :class:`CheckpointError` naming the file
+    (and tensor); no message quotes bytes of a file that failed these checks.
     """
+    where = shown(file)
     try:
-        with open(file, "rb") as handle:
-            file_size = handle.seek(0, 2)
-            handle.seek(0)
+        with open_regular(file, "safetensors file") as handle:
+            file_size = os.fstat(handle.fileno()).st_size
             prefix = handle.read(LENGTH_PREFIX_BYTES)
             if len(prefix) < LENGTH_PREFIX_BYTES:
                 raise CheckpointError(
-                    f"{file}: header cut: the file has {file_size} bytes, fewer than the "
-                    f"{LENGTH_PREFIX_BYTES}-byte header length"
+                    f"{where}: header cut: the file has {file_size} bytes, fewer than the "
+                    f"{LENGTH_PREFIX_BYTES}-byte header length (not a safetensors file)"
                 )
             header_bytes = int.from_bytes(prefix, "little")
-            available = file_size - LENGTH_PREFIX_BYTES
-            if header_bytes > min(available, MAX_HEADER_BYTES):
+            if header_bytes > min(file_size - LENGTH_PREFIX_BYTES, MAX_HEADER_BYTES):
                 raise CheckpointError(
-                    f"{file}: header cut: the header length says {header_bytes} bytes but "
-                    f"{available} follow (truncated or not a safetensors file)"
+                    f"{where}: header cut: the header length is larger than the rest of the "
+                    f"file or than {MAX_HEADER_BYTES // 10**6} MB (truncated or not a "
+                    "safetensors file)"
                 )
             raw_header = handle.read(header_bytes)
-    except FileNotFoundError:
-        raise CheckpointError(f"{file}: no such file") from None
+    except UnsafeInputError as error:
+        raise CheckpointError(str(error)) from None
     except OSError as error:
-        raise CheckpointError(f"{file}: cannot read ({error.strerror or error})") from error
+        raise CheckpointError(f"{where}: cannot read ({error.strerror or error})") from None
+    if len(raw_header) != header_bytes:
+        raise CheckpointError(f"{where}: header cut (the file shrank while being read)")
+    if not raw_header.startswith(b"{"):
+        raise CheckpointError(f"{where}: bad JSON header (not an object)")
     try:
-        header = json.loads(raw_header)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise CheckpointError(f"{file}: bad JSON header ({error})") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{file}: bad JSON header (not an object)")
+        header = parse_json(raw_header, f"{where}: bad JSON header")
+    except UnsafeInputError as error:
+        raise CheckpointError(str(error)) from None
     data_start = LENGTH_PREFIX_BYTES + header_bytes
-    entries = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        entry = parse_entry(file, name, info, data_start)
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(
+        isinstance(value, str) for value in metadata.values()
+    ):
+        raise CheckpointError(f"{where}: corrupt header: __metadata__ must map strings to strings")
+    entries = {name: parse_entry(file, name, info, data_start) for name, info in header.items()}
+    check_tiling(file, entries, data_start, file_size)
+    return entries
+
+
+def check_tiling(
+    file: Path, entries: dict[str, TensorEntry], data_start: int, file_size: int
+) -> None:
+    """The tensors' byte ranges, sorted, must cover ``[data_start, file_size)`` exactly once."""
+    position = data_start
+    for name, entry in sorted(entries.items(), key=lambda item: (item[1].begin, item[1].end)):
+        if entry.begin != position:
+            problem = "overlaps the tensor before it" if entry.begin < position else "leaves a gap"
+            raise CheckpointError(
+                f"{shown(file)}: corrupt header: tensor {shown(name)[:200]!r} {problem} (its data "
+                f"starts at byte {entry.begin - data_start} of the data section, "
+                f"not {position - data_start})"
+            )
         if entry.end > file_size:
             raise CheckpointError(
-                f"{file}: data cut: tensor {name!r} ends at byte {entry.end} but the file has "
-                f"{file_size} bytes (truncated?)"
+                f"{shown(file)}: data cut: tensor {shown(name)[:200]!r} ends at byte {entry.end} "
+                f"but the file has {file_size} bytes (truncated?)"
             )
-        entries[name] = entry
-    return entries
+        position = entry.end
+    if position < file_size:
+        raise CheckpointError(
+            f"{shown(file)}: corrupt file: {file_size - position} bytes after the last tensor's "
+            "data"
+        )
 
 
 def parse_entry(file: Path, name: str, info: object, data_start: int) -> TensorEntry:
     """One header entry -> :class:`TensorEntry`, checking ``end - begin = numel * itemsize``."""
-    try:
-        dtype_name, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
-        valid = all(isinstance(v, int) and v >= 0 for v in (*shape, begin, end)) and begin <= end
-    except (TypeError, KeyError, ValueError):
-        valid = False
-    if not valid:
-        raise CheckpointError(f"{file}: bad JSON header: tensor {name!r} has entry {info!r}")
-    if dtype_name not in SAFETENSORS_DTYPES:
-        raise CheckpointError(f"{file}: tensor {name!r} has unknown dtype {dtype_name!r}")
+    label = f"{shown(file)}: corrupt header: tensor {shown(name)[:200]!r}"
+    if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+        raise CheckpointError(f"{label} needs exactly the keys dtype, shape and data_offsets")
+    dtype_name, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(shape, list) or not all(is_count(size) for size in shape):
+        raise CheckpointError(f"{label} has a shape that is not a list of non-negative integers")
+    if (
+        not (isinstance(offsets, list) and len(offsets) == 2 and all(map(is_count, offsets)))
+        or offsets[0] > offsets[1]
+    ):
+        raise CheckpointError(f"{label} has data_offsets that are not [begin, end], begin <= end")
+    if not isinstance(dtype_name, str) or dtype_name not in SAFETENSORS_DTYPES:
+        raise CheckpointError(f"{label} has an unknown dtype")
     dtype = SAFETENSORS_DTYPES[dtype_name]
-    needed = math.prod(shape) * dtype.itemsize
-    if end - begin != needed:
+    numel = math.prod(shape)
+    if numel >= MAX_NUMEL:
+        raise CheckpointError(f"{label} has a shape whose product overflows")
+    begin, end = offsets
+    if end - begin != numel * dtype.itemsize:
         raise CheckpointError(
-            f"{file}: corrupt header: tensor {name!r} spans {end - begin} bytes but "
-            f"{dtype_name} x {list(shape)} needs {needed}"
+            f"{label} spans {end - begin} bytes but {dtype_name} x {list(shape)} needs "
+            f"{numel * dtype.itemsize}"
         )
     return TensorEntry(file, dtype, tuple(shape), data_start + begin, data_start + end)
 
 
+def is_count(value: object) -> bool:
+    """A JSON non-negative integer (``true`` is not one)."""
+    return type(value) is int and 0 <= value < MAX_NUMEL
+
+
 def read_index(index: Path) -> dict[str, TensorEntry]:
-    """Entries of a sharded checkpoint: shards in name order, tensors in header order."""
+    """Entries of a sharded checkpoint: shards in name order, tensors in header order.
+
+    Every shard the ``weight_map`` names must resolve inside the index's folder.
+    """
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-        if not isinstance(weight_map, dict):
-            raise TypeError
-    except OSError as error:
-        raise CheckpointError(f"{index}: cannot read ({error.strerror or error})") from error
-    except (ValueError, KeyError, TypeError) as error:
+        document = read_json(index, "index file")
+    except UnsafeInputError as error:
+        raise CheckpointError(str(error)) from None
+    weight_map = document.get("weight_map") if isinstance(document, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(value, str) for value in weight_map.values()
+    ):
         raise CheckpointError(
-            f"{index}: bad index (expected JSON with a weight_map): {error}"
-        ) from None
+            f"{shown(index)}: bad index: expected a JSON object whose weight_map maps tensor "
+            "names to shard file names"
+        )
     entries = {}
     for shard_name in sorted(set(weight_map.values())):
-        shard = index.parent / shard_name
+        try:
+            shard = inside(index.parent, shard_name, "shard")
+        except UnsafeInputError as error:
+            raise CheckpointError(f"{shown(index)}: {error}") from None
         listed = [name for name, file in weight_map.items() if file == shard_name]
-        if not shard.is_file():
+        if not shard.exists():
             raise CheckpointError(
-                f"{index}: points at missing shard {shard_name} (for tensor {listed[0]!r})"
+                f"{shown(index)}: points at missing shard {shown(shard_name)} (for tensor "
+                f"{shown(listed[0])[:200]!r})"
             )
         shard_entries = read_header(shard)
         absent = [name for name in listed if name not in shard_entries]
         if absent:
             raise CheckpointError(
-                f"{shard}: tensor {absent[0]!r} listed in {index.name} is not in this shard"
+                f"{shown(shard)}: tensor {shown(absent[0])[:200]!r} listed in {index.name} is "
+                "not in this shard"
             )
         entries.update((name, entry) for name, entry in shard_entries.items() if name in listed)
     return entries
@@ -188,7 +253,7 @@ class CheckpointReader:
 
     def entry(self, name: str) -> TensorEntry:
         if name not in self._entries:
-            raise CheckpointError(f"{self.path}: no tensor {name!r}")
+            raise CheckpointError(f"{shown(self.path)}: no tensor {shown(name)!r}")
         return self._entries[name]
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -214,12 +279,13 @@ class CheckpointReader:
                 count = handle.readinto(view[filled:])
             except OSError as error:
                 raise CheckpointError(
-                    f"{entry.file}: cannot read tensor {name!r} ({error.strerror or error})"
+                    f"{shown(entry.file)}: cannot read tensor {shown(name)!r} "
+                    f"({error.strerror or error})"
                 ) from error
             if not count:
                 raise CheckpointError(
-                    f"{entry.file}: data cut: tensor {name!r} ends at byte {entry.end} but the "
-                    f"file ends at byte {entry.begin + filled}"
+                    f"{shown(entry.file)}: data cut: tensor {shown(name)!r} ends at byte "
+                    f"{entry.end} but the file ends at byte {entry.begin + filled}"
                 )
             filled += count
         return buffer.view(entry.dtype).reshape(entry.shape)
@@ -227,9 +293,9 @@ class CheckpointReader:
     def _handle(self, file: Path) -> BinaryIO:
         if file not in self._handles:
             try:
-                self._handles[file] = open(file, "rb", buffering=0)
-            except OSError as error:
-                raise CheckpointError(f"{file}: cannot read ({error.strerror or error})") from None
+                self._handles[file] = open_regular(file, "safetensors file")
+            except UnsafeInputError as error:
+                raise CheckpointError(str(error)) from None
         return self._handles[file]
 
     def close(self) -> None:
@@ -250,21 +316,30 @@ class CheckpointReader:
 def open_checkpoint(path: str | Path) -> CheckpointReader:
     """Open a ``.safetensors`` file, a folder with ``model.safetensors``, or a folder (or index
     file) with a sharded ``model.safetensors.index.json``. Headers are checked now; tensor data
-    is read on :meth:`CheckpointReader.get`.
+    is read on :meth:`CheckpointReader.get`. Every file a folder or index leads to must resolve
+    inside that folder; only regular files are opened.
     """
     path = Path(path)
     if path.is_dir():
-        if (path / INDEX_FILE).is_file():
-            return CheckpointReader(path, path / INDEX_FILE, read_index(path / INDEX_FILE))
-        if (path / SINGLE_FILE).is_file():
-            return CheckpointReader(path, path / SINGLE_FILE, read_header(path / SINGLE_FILE))
-        found = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
-        hint = f" (found {found[0]}: convert it to safetensors first)" if found else ""
-        raise CheckpointError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE} in this folder{hint}")
-    if not path.exists():
-        raise CheckpointError(f"{path}: no such file or folder")
+        for name, read in ((INDEX_FILE, read_index), (SINGLE_FILE, read_header)):
+            if (path / name).exists() or (path / name).is_symlink():
+                try:
+                    file = inside(path, name, name)
+                except UnsafeInputError as error:
+                    raise CheckpointError(str(error)) from None
+                return CheckpointReader(path, file, read(file))
+        found = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        hint = f" (found {shown(found[0])}: convert it to safetensors first)" if found else ""
+        raise CheckpointError(
+            f"{shown(path)}: no {SINGLE_FILE} or {INDEX_FILE} in this folder{hint}"
+        )
+    if not (path.exists() or path.is_symlink()):
+        raise CheckpointError(f"{shown(path)}: no such file or folder")
+    if path.suffix in PICKLE_SUFFIXES:
+        raise CheckpointError(
+            f"{shown(path)}: pickle checkpoints are not read (loading one can run code); "
+            "convert it to safetensors"
+        )
     if path.name.endswith(".index.json"):
         return CheckpointReader(path, path, read_index(path))
-    if path.suffix in (".bin", ".pt", ".pth"):
-        raise CheckpointError(f"{path}: pickle checkpoints are not read; convert to safetensors")
     return CheckpointReader(path, path, read_header(path))

@@ -1,9 +1,10 @@
 """Sharded, atomic safetensors writer.
 
 Tensors are written as they come, so memory holds one tensor at a time. Everything goes into a
-hidden temp sibling of the output (``.NAME.tmp-XXXX``) and is renamed into place only when the
-``with`` block ends without error; on any exception, Ctrl-C or SIGTERM the temp is removed and
-nothing is left at the output path.
+hidden temp sibling of the output (:func:`mergekit_loco.io.atomic.staged_output`) and is renamed
+into place only when the ``with`` block ends without error; on any exception, Ctrl-C or SIGTERM
+the temp is removed and nothing is left at the output path. ``force`` replaces only an output
+this tool wrote or a checkpoint and nothing else (:func:`mergekit_loco.io.atomic.check_output`).
 """
 
 from __future__ import annotations
@@ -11,50 +12,28 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import tempfile
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
 import torch
 
+from mergekit_loco.io.atomic import (
+    CHECKPOINT_SIDE_FILES,
+    OWNER_MARKER,
+    check_output,
+    staged_output,
+)
+from mergekit_loco.io.files import UnsafeInputError, inside, open_regular, shown
 from mergekit_loco.io.reader import INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE, CheckpointError
 
 #: Hugging Face's default shard size.
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 #: Files copied from the base's folder into a folder output.
-CONFIG_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "tokenizer.model",
-    "spiece.model",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-    "chat_template.jinja",
-    "chat_template.json",
-)
+CONFIG_FILES = tuple(sorted(CHECKPOINT_SIDE_FILES - {OWNER_MARKER}))
 DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 COPY_CHUNK_BYTES = 2**20
-
-
-class OutputExistsError(CheckpointError):
-    """The output path exists and ``force`` was not given."""
-
-
-def check_output_free(out_path: Path, force: bool) -> None:
-    if not force and (out_path.exists() or out_path.is_symlink()):
-        kind = "folder" if out_path.is_dir() else "file"
-        raise OutputExistsError(
-            f"{out_path}: output {kind} exists; pass --force (force=True) to replace it"
-        )
 
 
 class ShardBuilder:
@@ -135,13 +114,6 @@ def append_file(source: BinaryIO, target: BinaryIO) -> None:
         shutil.copyfileobj(source, target, COPY_CHUNK_BYTES)
 
 
-def raise_on_signal(signum: int, frame: object) -> None:
-    """SIGINT -> KeyboardInterrupt, SIGTERM -> SystemExit(128 + signum), so cleanup runs."""
-    if signum == signal.SIGINT:
-        raise KeyboardInterrupt
-    raise SystemExit(128 + signum)
-
-
 class CheckpointWriter:
     """Write a checkpoint tensor by tensor, atomically.
 
@@ -150,7 +122,9 @@ class CheckpointWriter:
     ``max_shard_bytes`` (a bigger tensor gets a shard of its own) plus
     ``model.safetensors.index.json``, and the config/tokenizer files found in ``config_dir``.
     An existing output raises :class:`OutputExistsError` at construction unless ``force``; with
-    ``force`` the old output is swapped out only once the new one is complete.
+    ``force`` the old output (only one this tool wrote, or a checkpoint and nothing else) is
+    swapped out only once the new one is complete. An output that is, holds or lies inside one
+    of ``inputs`` is refused (:class:`OutputRefused`).
 
     >>> with CheckpointWriter("merged/") as writer:  # doctest: +SKIP
     ...     writer.write("lm_head.weight", tensor)
@@ -162,6 +136,7 @@ class CheckpointWriter:
         max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
         force: bool = False,
         config_dir: str | Path | None = None,
+        inputs: Iterable[str | Path | None] = (),
     ):
         if max_shard_bytes <= 0:
             raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
@@ -170,14 +145,13 @@ class CheckpointWriter:
         self.max_shard_bytes = max_shard_bytes
         self.force = force
         self.config_dir = Path(config_dir) if config_dir is not None else None
-        check_output_free(self.out_path, force)
+        check_output(self.out_path, force, inputs)
         self._staging: Path | None = None
-        self._created_dirs: list[Path] = []
+        self._stack = ExitStack()
         self._finished_shards: list[list[str]] = []
         self._tensor_bytes = 0
         self._current: ShardBuilder | None = None
         self._written: set[str] = set()
-        self._previous_handlers: dict[int, object] = {}
 
     # -- writing --------------------------------------------------------------------------------
     def write(self, name: str, tensor: torch.Tensor) -> None:
@@ -216,30 +190,36 @@ class CheckpointWriter:
         self._tensor_bytes += self._current.nbytes
         self._current = None
 
-    def _assemble(self) -> Path:
-        """Finish the last shard, name the shards, write the index, copy configs: the built
-        output (a file or the staging folder itself)."""
+    def _assemble(self) -> None:
+        """Finish the last shard, name the shards, write the index, copy configs, all inside
+        the staging folder (a file output as ``staging / NAME``)."""
         if self._current is None and not self._finished_shards:
             self._current = ShardBuilder(self._staging, 1)
         if self._current is not None:
             self._finish_shard()
         if self.single_file:
-            built = self._staging / self.out_path.name
-            self._shard_file(1).rename(built)
-            return built
-        umask = os.umask(0)
-        os.umask(umask)
-        self._staging.chmod(0o777 & ~umask)
+            self._shard_file(1).rename(self._staging / self.out_path.name)
+            return
         count = len(self._finished_shards)
         if count == 1:
             self._shard_file(1).rename(self._staging / SINGLE_FILE)
         else:
             self._write_index(count)
         if self.config_dir is not None:
-            for file_name in CONFIG_FILES:
-                if (self.config_dir / file_name).is_file():
-                    shutil.copyfile(self.config_dir / file_name, self._staging / file_name)
-        return self._staging
+            self._copy_configs()
+
+    def _copy_configs(self) -> None:
+        """Copy the config/tokenizer files of ``config_dir`` that are regular files inside it."""
+        for file_name in CONFIG_FILES:
+            source = self.config_dir / file_name
+            if not (source.exists() or source.is_symlink()):
+                continue
+            try:
+                with open_regular(inside(self.config_dir, file_name, file_name)) as handle:
+                    with open(self._staging / file_name, "wb") as copy:
+                        shutil.copyfileobj(handle, copy, COPY_CHUNK_BYTES)
+            except UnsafeInputError as error:
+                raise CheckpointError(str(error)) from None
 
     def _write_index(self, count: int) -> None:
         weight_map = {}
@@ -253,25 +233,6 @@ class CheckpointWriter:
         }
         (self._staging / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
 
-    def _commit(self, built: Path) -> None:
-        """Rename ``built`` to the output; an old output is moved aside first and deleted only
-        after the new one is in place (restored if that rename fails)."""
-        out = self.out_path
-        if not (out.exists() or out.is_symlink()):
-            os.replace(built, out)
-            return
-        check_output_free(out, self.force)
-        aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        old = aside / out.name
-        os.replace(out, old)
-        try:
-            os.replace(built, out)
-        except BaseException:
-            os.replace(old, out)
-            raise
-        finally:
-            shutil.rmtree(aside, ignore_errors=True)
-
     @contextmanager
     def _output_errors(self, what: str = "") -> Iterator[None]:
         """OSError (full disk, read-only folder, ...) -> CheckpointError naming the output."""
@@ -279,59 +240,30 @@ class CheckpointWriter:
             yield
         except OSError as error:
             reason = error.strerror or str(error)
-            raise CheckpointError(f"cannot write {what}{self.out_path}: {reason}") from error
+            raise CheckpointError(f"cannot write {what}{shown(self.out_path)}: {reason}") from error
 
     # -- context: staging, cleanup, signals -----------------------------------------------------
     def __enter__(self) -> CheckpointWriter:
         with self._output_errors():
-            self._created_dirs = make_missing_dirs(self.out_path.parent)
-            self._staging = Path(
-                tempfile.mkdtemp(prefix=f".{self.out_path.name}.tmp-", dir=self.out_path.parent)
+            self._staging = self._stack.enter_context(
+                staged_output(self.out_path, "merge", self.force, file=self.single_file)
             )
-        self._install_signal_handlers()
         return self
 
     def __exit__(self, exc_type, exc, traceback) -> None:
-        committed = False
         try:
             if exc_type is None:
                 with self._output_errors():
-                    self._commit(self._assemble())
-                committed = True
-        finally:
-            if self._current is not None:
-                self._current.discard()
-            shutil.rmtree(self._staging, ignore_errors=True)
-            if not committed:
-                for folder in self._created_dirs:
-                    try:
-                        folder.rmdir()
-                    except OSError:
-                        break
-            self._staging = None
-            self._restore_signal_handlers()
+                    self._assemble()
+        except BaseException as error:
+            self._close(type(error), error, error.__traceback__)
+            raise
+        with self._output_errors():
+            self._close(exc_type, exc, traceback)
 
-    def _install_signal_handlers(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            previous = signal.getsignal(signum)
-            if previous is not signal.SIG_IGN:
-                self._previous_handlers[signum] = previous
-                signal.signal(signum, raise_on_signal)
-
-    def _restore_signal_handlers(self) -> None:
-        for signum, previous in self._previous_handlers.items():
-            signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
-        self._previous_handlers.clear()
-
-
-def make_missing_dirs(folder: Path) -> list[Path]:
-    """Create ``folder`` and its missing parents; return those created, deepest first."""
-    missing = []
-    while not folder.exists():
-        missing.append(folder)
-        folder = folder.parent
-    for created in reversed(missing):
-        created.mkdir()
-    return missing
+    def _close(self, exc_type, exc, traceback) -> None:
+        """Discard open bodies, then let :func:`staged_output` commit or clean up."""
+        if self._current is not None:
+            self._current.discard()
+        self._staging = None
+        self._stack.__exit__(exc_type, exc, traceback)

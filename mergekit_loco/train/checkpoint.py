@@ -10,27 +10,45 @@ A checkpoint after k completed rounds holds:
 - ``rng-rank-XXXX.pt``: each process's torch RNG states
 - ``manifest.json``: sha256 of every other file
 
-All processes write into ``round-XXXXXX.tmp-<pid>/``; rank 0 then writes the manifest, renames
-the folder to ``round-XXXXXX/`` (``os.replace``), points ``checkpoints/latest`` at it (temp
-file + ``os.replace``) and deletes all but the newest ``keep``. A crash leaves at worst a
-``.tmp-`` folder, never a half-written checkpoint. Multi-node runs need ``OUT`` on a shared
-filesystem.
+All processes write into the staging folder ``.round-XXXXXX.tmp-XXXX/`` of
+:func:`mergekit_loco.io.atomic.staged_output`; rank 0 then writes the manifest, the folder is
+renamed to ``round-XXXXXX/``, ``checkpoints/latest`` is pointed at it (temp file +
+``os.replace``) and all but the newest ``keep`` are deleted. A crash leaves at worst a ``.tmp-``
+folder, never a half-written checkpoint. Multi-node runs need ``OUT`` on a shared filesystem.
+
+Only finite parameters are saved (:class:`NotFinite` otherwise), so a checkpoint is always a
+good one to resume from. Reading treats every file as hostile: ``latest`` must name a
+``round-XXXXXX`` folder inside ``checkpoints/``, the manifest may list only checkpoint file
+names, ``state.json`` must hold a round, a world size and a config, pickles are loaded with
+``weights_only=True`` and any failure to load names the file.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
+import re
 import shutil
-from collections.abc import Iterable
+import warnings
+from collections.abc import Iterable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from mergekit_loco.io.atomic import write_atomically
+from mergekit_loco.io import CheckpointError, open_checkpoint
+from mergekit_loco.io.atomic import staged_output, write_atomically
+from mergekit_loco.io.files import (
+    MAX_JSON_BYTES,
+    UnsafeInputError,
+    open_regular,
+    parse_json,
+    read_json,
+    read_limited,
+    shown,
+)
 from mergekit_loco.train.workers import WorkerGroup
 
 CHECKPOINTS = "checkpoints"
@@ -39,6 +57,9 @@ MANIFEST = "manifest.json"
 STATE = "state.json"
 GLOBAL_PARAMS = "global.safetensors"
 SHARED = "shared.pt"
+#: Names a checkpoint's manifest may list (anything else, e.g. ``../x``, is refused).
+FILE_NAME = re.compile(r"(state\.json|global\.safetensors|shared\.pt|(worker|rng-rank)-\d{4,}\.pt)")
+ROUND_NAME = re.compile(r"round-\d{6,}")
 
 
 def worker_file(index: int) -> str:
@@ -54,7 +75,19 @@ def round_name(round_index: int) -> str:
 
 
 class CheckpointCorrupt(ValueError):
-    """A checkpoint file is missing or its sha256 differs from the manifest."""
+    """A checkpoint file is missing, its sha256 differs from the manifest, or it does not hold
+    what a checkpoint holds; the message names the file."""
+
+
+class NotFinite(FloatingPointError):
+    """Global parameters with NaN or Inf: not saved as a checkpoint."""
+
+
+def check_finite(params: dict[str, torch.Tensor], where: str) -> None:
+    """Raise :class:`NotFinite` naming the first tensor of ``params`` with NaN or Inf."""
+    for name, tensor in params.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise NotFinite(f"{where}: global parameter {shown(name)!r} holds NaN or Inf")
 
 
 @dataclass
@@ -90,50 +123,55 @@ def restore_rng_state(state: dict) -> None:
 
 def sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
+    with open_regular(path, "checkpoint file") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
 
 
 def save_checkpoint(out: str | Path, state: Checkpoint, group: WorkerGroup, keep: int = 2) -> Path:
-    """Write ``state`` (every process its own part) as ``OUT/checkpoints/round-XXXXXX``."""
+    """Write ``state`` (every process its own part) as ``OUT/checkpoints/round-XXXXXX``.
+
+    Raises :class:`NotFinite` (on every rank, before anything is written) if the global
+    parameters hold NaN or Inf.
+    """
     root = Path(out) / CHECKPOINTS
     final = root / round_name(state.round)
-    staging = root / group.broadcast(f"{final.name}.tmp-{os.getpid()}")
-    if group.is_main:
-        root.mkdir(parents=True, exist_ok=True)
-        for leftover in root.glob("*.tmp-*"):  # from crashed runs
-            shutil.rmtree(leftover, ignore_errors=True)
-        staging.mkdir()
-    group.barrier()
+    check_finite(state.global_params, f"round {state.round}")
+    with ExitStack() as stack:
+        staging = None
+        if group.is_main:
+            root.mkdir(parents=True, exist_ok=True)
+            for leftover in root.glob("*.tmp-*"):  # from crashed runs
+                shutil.rmtree(leftover, ignore_errors=True)
+            staging = stack.enter_context(staged_output(final, "checkpoint", replace=True))
+        staging = Path(group.broadcast(str(staging)))
+        group.barrier()
 
-    written = {}
-    for index, worker_state in state.workers.items():
-        torch.save(worker_state, staging / worker_file(index))
-        written[worker_file(index)] = sha256_of(staging / worker_file(index))
-    torch.save(state.rng, staging / rng_file(group.rank))
-    written[rng_file(group.rank)] = sha256_of(staging / rng_file(group.rank))
-    if group.is_main:
-        params = {
-            name: t.detach().to("cpu", torch.float32) for name, t in state.global_params.items()
-        }
-        save_file(params, staging / GLOBAL_PARAMS)
-        if state.shared is not None:
-            torch.save(state.shared, staging / SHARED)
-        meta = {"round": state.round, "world_size": group.world_size, "config": state.config}
-        (staging / STATE).write_text(json.dumps(meta, indent=2))
-        for name in (GLOBAL_PARAMS, SHARED, STATE):
-            if (staging / name).is_file():
-                written[name] = sha256_of(staging / name)
+        written = {}
+        for index, worker_state in state.workers.items():
+            torch.save(worker_state, staging / worker_file(index))
+            written[worker_file(index)] = sha256_of(staging / worker_file(index))
+        torch.save(state.rng, staging / rng_file(group.rank))
+        written[rng_file(group.rank)] = sha256_of(staging / rng_file(group.rank))
+        if group.is_main:
+            params = {
+                name: t.detach().to("cpu", torch.float32) for name, t in state.global_params.items()
+            }
+            save_file(params, staging / GLOBAL_PARAMS)
+            if state.shared is not None:
+                torch.save(state.shared, staging / SHARED)
+            meta = {"round": state.round, "world_size": group.world_size, "config": state.config}
+            (staging / STATE).write_text(json.dumps(meta, indent=2))
+            for name in (GLOBAL_PARAMS, SHARED, STATE):
+                if (staging / name).is_file():
+                    written[name] = sha256_of(staging / name)
 
-    manifests = group.gather(written)
-    if group.is_main:
-        files = {name: digest for part in manifests for name, digest in sorted(part.items())}
-        (staging / MANIFEST).write_text(json.dumps({"files": files}, indent=2))
-        if final.exists():  # an earlier run reached this round and was not resumed from it
-            shutil.rmtree(final)
-        os.replace(staging, final)
+        manifests = group.gather(written)
+        if group.is_main:
+            files = {name: digest for part in manifests for name, digest in sorted(part.items())}
+            (staging / MANIFEST).write_text(json.dumps({"files": files}, indent=2))
+    if group.is_main:  # committed: an earlier run's folder of this round was replaced
         write_atomically(root / LATEST, final.name + "\n")
         prune(root, keep, final.name)
     group.barrier()
@@ -149,14 +187,28 @@ def prune(root: Path, keep: int, newest: str) -> None:
 
 
 def latest_checkpoint(out: str | Path) -> Path | None:
-    """The checkpoint ``OUT/checkpoints/latest`` points to, or None if there is none."""
+    """The checkpoint ``OUT/checkpoints/latest`` points to, or None if there is none.
+
+    The pointer must hold a ``round-XXXXXX`` name of a real folder inside ``checkpoints/``.
+    """
     root = Path(out) / CHECKPOINTS
     pointer = root / LATEST
-    if not pointer.is_file():
+    if not (pointer.exists() or pointer.is_symlink()):
         return None
-    path = root / pointer.read_text().strip()
+    try:
+        raw = read_limited(pointer, 64, "checkpoint pointer")
+    except UnsafeInputError as error:
+        raise CheckpointCorrupt(str(error)) from None
+    name = raw.decode("ascii", errors="replace").strip()
+    if not ROUND_NAME.fullmatch(name):
+        raise CheckpointCorrupt(
+            f"{shown(pointer)} does not name a round-XXXXXX checkpoint folder of this run"
+        )
+    path = root / name
+    if path.is_symlink() or not path.resolve().is_relative_to(root.resolve()):
+        raise CheckpointCorrupt(f"{shown(pointer)} points to {name}, which leads outside {root}")
     if not path.is_dir():
-        raise CheckpointCorrupt(f"{pointer} points to {path.name}, which does not exist")
+        raise CheckpointCorrupt(f"{shown(pointer)} points to {name}, which does not exist")
     return path
 
 
@@ -164,46 +216,130 @@ def verify(path: Path, names: Iterable[str] | None = None) -> dict[str, str]:
     """Check the sha256 of ``names`` (default: every file) against the manifest."""
     manifest_path = path / MANIFEST
     try:
-        files = json.loads(manifest_path.read_text())["files"]
-    except (OSError, ValueError, KeyError) as error:
-        raise CheckpointCorrupt(f"checkpoint {path}: unreadable {MANIFEST} ({error})") from None
+        files = read_json(manifest_path, MANIFEST)["files"]
+        if not isinstance(files, dict):
+            raise TypeError
+    except UnsafeInputError as error:
+        raise CheckpointCorrupt(
+            f"checkpoint {shown(path)}: unreadable {MANIFEST} ({error})"
+        ) from None
+    except (KeyError, TypeError):
+        raise CheckpointCorrupt(
+            f'checkpoint {shown(path)}: unreadable {MANIFEST} (no "files" object)'
+        ) from None
+    bad = next((n for n, d in files.items() if not (FILE_NAME.fullmatch(n) and is_sha256(d))), None)
+    if bad is not None:
+        raise CheckpointCorrupt(
+            f"checkpoint {shown(path)}: {MANIFEST} lists {shown(bad)[:80]!r}, which is not a "
+            "checkpoint file with a sha256"
+        )
     for name in files if names is None else names:
         file = path / name
         if name not in files:
-            raise CheckpointCorrupt(f"checkpoint {path} lists no {name} in its manifest")
-        if not file.is_file():
-            raise CheckpointCorrupt(f"checkpoint file {file} is missing")
-        if sha256_of(file) != files[name]:
+            raise CheckpointCorrupt(f"checkpoint {shown(path)} lists no {name} in its manifest")
+        if not (file.exists() or file.is_symlink()):
+            raise CheckpointCorrupt(f"checkpoint file {shown(file)} is missing")
+        try:
+            digest = sha256_of(file)
+        except UnsafeInputError as error:
+            raise CheckpointCorrupt(f"checkpoint file {error}") from None
+        if digest != files[name]:
             raise CheckpointCorrupt(
-                f"checkpoint file {file} is corrupt (sha256 differs from {MANIFEST}); "
+                f"checkpoint file {shown(file)} is corrupt (sha256 differs from {MANIFEST}); "
                 "delete this checkpoint folder to resume from the one before"
             )
     return files
 
 
+def is_sha256(value: object) -> bool:
+    return isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value) is not None
+
+
 def read_state(path: Path) -> dict:
-    """``state.json`` (round, world size, config) after checking its hash."""
+    """``state.json`` (round, world size, config) after checking its hash and its content."""
     verify(path, [STATE])
-    return json.loads((path / STATE).read_text())
+    file = path / STATE
+    try:
+        state = parse_json(read_limited(file, MAX_JSON_BYTES, STATE), shown(file))
+    except UnsafeInputError as error:
+        raise CheckpointCorrupt(f"checkpoint file {error}") from None
+    problem = None
+    if not isinstance(state, dict):
+        problem = "is not a JSON object"
+    elif not (type(state.get("round")) is int and state["round"] >= 0):
+        problem = 'has no "round" (a non-negative integer)'
+    elif not (type(state.get("world_size")) is int and state["world_size"] >= 1):
+        problem = 'has no "world_size" (a positive integer)'
+    elif not isinstance(state.get("config"), dict):
+        problem = 'has no "config" (a JSON object)'
+    if problem:
+        raise CheckpointCorrupt(f"checkpoint file {shown(file)} {problem}")
+    return state
+
+
+@contextmanager
+def reading(file: Path) -> Iterator[None]:
+    """Any failure to load or apply ``file``'s content -> :class:`CheckpointCorrupt` naming it."""
+    try:
+        yield
+    except CheckpointCorrupt:
+        raise
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError, EOFError, OSError) as error:
+        what = (
+            f"missing entry {error}"
+            if isinstance(error, KeyError)
+            else " ".join(str(error).split())[:200]
+        )
+        raise CheckpointCorrupt(
+            f"checkpoint file {shown(file)} does not hold what this run needs ({shown(what)}); "
+            "delete this checkpoint folder to resume from the one before"
+        ) from None
+    except Exception as error:  # pickle.UnpicklingError and friends from torch.load
+        raise CheckpointCorrupt(
+            f"checkpoint file {shown(file)} cannot be loaded ({type(error).__name__}: only "
+            "tensors and plain containers are accepted)"
+        ) from None
 
 
 def load_checkpoint(path: Path, worker_ids: Iterable[int], rank: int) -> Checkpoint:
-    """This process's part of the checkpoint at ``path``, each file verified first."""
+    """This process's part of the checkpoint at ``path``, each file verified first.
+
+    Refused with :class:`CheckpointCorrupt` naming the file: a hash mismatch, a pickle with
+    anything but tensors and plain containers, a ``global.safetensors`` our strict reader
+    refuses or whose parameters are not finite, a worker file without a data position.
+    """
     worker_ids = list(worker_ids)
-    files = verify(path, [STATE, GLOBAL_PARAMS])
-    state = json.loads((path / STATE).read_text())
+    files = verify(path, [GLOBAL_PARAMS])
+    state = read_state(path)
     needed = [worker_file(i) for i in worker_ids]
     needed += [name for name in (SHARED, rng_file(rank)) if name in files]
     verify(path, needed)
 
     def torch_load(name: str):
-        return torch.load(path / name, map_location="cpu", weights_only=True)
+        with reading(path / name), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's notes on odd pickles: the error says it
+            return torch.load(path / name, map_location="cpu", weights_only=True)
 
+    global_params = {}
+    try:
+        with open_checkpoint(path / GLOBAL_PARAMS) as reader:
+            for name in reader.names():
+                global_params[name] = reader.get(name)
+    except CheckpointError as error:
+        raise CheckpointCorrupt(f"checkpoint file {error}") from None
+    try:
+        check_finite(global_params, f"checkpoint file {shown(path / GLOBAL_PARAMS)}")
+    except NotFinite as error:
+        raise CheckpointCorrupt(f"{error}; not a good checkpoint") from None
+    workers = {i: torch_load(worker_file(i)) for i in worker_ids}
+    for i, worker_state in workers.items():
+        with reading(path / worker_file(i)):
+            int(worker_state["data"]["position"])
     return Checkpoint(
-        round=int(state["round"]),
+        round=state["round"],
         config=state["config"],
-        global_params=load_file(path / GLOBAL_PARAMS),
+        global_params=global_params,
         shared=torch_load(SHARED) if SHARED in files else None,
-        workers={i: torch_load(worker_file(i)) for i in worker_ids},
+        workers=workers,
         rng=torch_load(rng_file(rank)) if rng_file(rank) in files else {},
     )

@@ -12,11 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import json
-import os
-import shutil
-import tempfile
 from array import array
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -27,7 +23,8 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from mergekit_loco.io.atomic import write_atomically
+from mergekit_loco.io.atomic import staged_output
+from mergekit_loco.io.hf import NO_REMOTE_CODE, check_hf_folder
 from mergekit_loco.train.sources import (
     Document,
     cache_root,
@@ -40,6 +37,7 @@ EOS_TOKEN = "<|endoftext|>"
 TOKENIZER_TRAIN_CHARS = 4_000_000
 _CACHE_FORMAT = 1  # bump whenever a change alters the tokenizer or the token streams
 _ENCODE_CHUNK = 64  # documents per encode_batch call
+ENCODE_BATCH_CHARS = 2**20  # characters per encode_batch call (bounds its memory)
 
 
 class DataExhausted(ValueError):
@@ -65,11 +63,12 @@ class PreparedData:
 
 # -- tokenizer ----------------------------------------------------------------------------------
 def train_tokenizer(
-    documents: Iterable[str],
+    documents: Iterable[Iterable[str]],
     vocab_size: int = 4096,
     max_chars: int = TOKENIZER_TRAIN_CHARS,
 ) -> PreTrainedTokenizerFast:
-    """Byte-level BPE (GPT-2 pre-tokenization) trained on the first ``max_chars`` characters.
+    """Byte-level BPE (GPT-2 pre-tokenization) trained on the first ``max_chars`` characters of
+    ``documents`` (each an iterable of text pieces, e.g. ``Document.chunks()``).
 
     ``<|endoftext|>`` is the only special token and serves as EOS, BOS and padding.
     """
@@ -78,11 +77,12 @@ def train_tokenizer(
 
     def sample() -> Iterator[str]:
         budget = max_chars
-        for text in documents:
-            if budget <= 0:
-                return
-            yield text[:budget]
-            budget -= len(text)
+        for pieces in documents:
+            for text in pieces:
+                if budget <= 0:
+                    return
+                yield text[:budget]
+                budget -= len(text)
 
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -118,28 +118,23 @@ def load_or_train_tokenizer(
     key = _key(_CACHE_FORMAT, vocab_size, fingerprint(documents))
     folder = (cache_dir or cache_root()) / "tokenizers" / f"bpe{vocab_size}-{key[:16]}"
     if not (folder / "tokenizer.json").is_file():
-        texts = (doc.read() for doc in hash_order(documents, "tokenizer"))
+        texts = (doc.chunks() for doc in hash_order(documents, "tokenizer"))
         tokenizer = train_tokenizer(texts, vocab_size)
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-        tokenizer.save_pretrained(staging)
-        staging.chmod(0o755)
         try:
-            os.replace(staging, folder)
+            with staged_output(folder, "tokenizer cache") as staging:
+                tokenizer.save_pretrained(staging)
         except OSError:  # another process finished first; its copy is identical
-            shutil.rmtree(staging, ignore_errors=True)
             if not (folder / "tokenizer.json").is_file():
                 raise
     return load_tokenizer(folder)
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    """A Hugging Face tokenizer from a local folder (never downloads)."""
-    folder = Path(path).expanduser()
-    if not folder.is_dir():
-        raise ValueError(f"tokenizer {str(path)!r}: no such folder")
+    """A Hugging Face tokenizer from a local folder (never downloads, never runs its code:
+    a folder asking for custom code, or with a file leading outside it, is refused)."""
+    folder = check_hf_folder(path, "tokenizer")
     try:
-        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        return AutoTokenizer.from_pretrained(folder, **NO_REMOTE_CODE)
     except (OSError, ValueError) as error:
         raise ValueError(f"tokenizer {str(path)!r} cannot be loaded: {error}") from error
 
@@ -211,15 +206,13 @@ def prepare_data(
         *(() if val_seed is None else (val_seed,)),
     )
     path = cache_dir / "tokens" / f"{key[:24]}.pt"
-    if path.is_file():
-        cached = torch.load(path, weights_only=True)
-    else:
+    cached = load_token_cache(path)
+    if cached is None:
         cached = _tokenize_split(
             documents, tokenizer_object, eos_id, spec, max_train_tokens, val_tokens, seed, val_seed
         )
-        buffer = io.BytesIO()
-        torch.save(cached, buffer)
-        write_atomically(path, buffer.getvalue())
+        with staged_output(path, "token cache", replace=True, file=True) as staging:
+            torch.save(cached, staging / path.name)
     description = (
         f"{spec}: {cached['documents']} documents ({len(cached['val_documents'])} held out), "
         f"{cached['train'].numel():,} train and {cached['val'].numel():,} val tokens, "
@@ -235,6 +228,24 @@ def prepare_data(
     )
 
 
+def load_token_cache(path: Path) -> dict | None:
+    """The token cache at ``path``, or None if there is none or it does not load (cut,
+    damaged, not ours): it is then rebuilt and replaced."""
+    try:
+        cached = torch.load(path, weights_only=True)
+        ok = isinstance(cached, dict) and all(
+            isinstance(cached.get(k), torch.Tensor) and cached[k].dtype == torch.int32
+            for k in ("train", "val")
+        )
+        ok = ok and isinstance(cached.get("documents"), int)
+        ok = ok and isinstance(cached.get("val_documents"), list)
+    except FileNotFoundError:
+        return None
+    except Exception:  # noqa: BLE001 - any failure to load a cache means: rebuild it
+        return None
+    return cached if ok else None
+
+
 def _tokenize_split(
     documents: list[Document],
     tokenizer: PreTrainedTokenizerBase,
@@ -246,8 +257,15 @@ def _tokenize_split(
     val_seed: int | None = None,
 ) -> dict:
     order = hash_order(documents, str(seed if val_seed is None else val_seed))
-    encoded = _encoded_documents(order, tokenizer, eos_id)
     val = array("q")
+    train = array("q")
+
+    def still_needed() -> int | None:  # caps what is tokenized: val first, then train
+        if len(val) < val_tokens:
+            return val_tokens - len(val)
+        return None if max_train_tokens is None else max(max_train_tokens - len(train), 0)
+
+    encoded = _encoded_documents(order, tokenizer, eos_id, still_needed)
     held_out = 0
     while len(val) < val_tokens:
         ids = next(encoded, None)
@@ -259,8 +277,8 @@ def _tokenize_split(
         val.extend(ids)
         held_out += 1
     if val_seed is not None:  # the rest in the seed's own order
-        encoded = _encoded_documents(hash_order(order[held_out:], str(seed)), tokenizer, eos_id)
-    train = array("q")
+        rest = hash_order(order[held_out:], str(seed))
+        encoded = _encoded_documents(rest, tokenizer, eos_id, still_needed)
     for ids in encoded:
         train.extend(ids)
         if max_train_tokens is not None and len(train) >= max_train_tokens:
@@ -286,14 +304,38 @@ def _int32_tensor(ids: array) -> torch.Tensor:
 
 
 def _encoded_documents(
-    documents: list[Document], tokenizer: PreTrainedTokenizerBase, eos_id: int
+    documents: list[Document],
+    tokenizer: PreTrainedTokenizerBase,
+    eos_id: int,
+    still_needed: Callable[[], int | None],
 ) -> Iterator[list[int]]:
-    """Token ids of each document followed by EOS, encoded lazily in chunks."""
+    """Token ids of each document followed by EOS, encoded lazily.
+
+    Small documents are encoded in batches of up to :data:`_ENCODE_CHUNK` documents and
+    :data:`ENCODE_BATCH_CHARS` characters; a document of several pieces is encoded piece by
+    piece and cut (without EOS) as soon as it holds ``still_needed()`` ids, so no more text is
+    tokenized than the caller will keep (``None``: no cap).
+    """
     encode = _batch_encoder(tokenizer)
-    for start in range(0, len(documents), _ENCODE_CHUNK):
-        texts = [document.read() for document in documents[start : start + _ENCODE_CHUNK]]
-        for ids in encode(texts):
-            yield [*ids, eos_id]
+    position = 0
+    while position < len(documents):
+        batch, first_pieces, chars = [], [], 0
+        while position < len(documents) and len(batch) < _ENCODE_CHUNK:
+            pieces = iter(documents[position].chunks())
+            first = next(pieces, "")
+            batch.append(pieces)
+            first_pieces.append(first)
+            position += 1
+            chars += len(first)
+            if chars >= ENCODE_BATCH_CHARS:
+                break
+        for pieces, ids in zip(batch, encode(first_pieces), strict=True):
+            cap = still_needed()
+            for piece in pieces:
+                if cap is not None and len(ids) >= cap:
+                    break
+                ids.extend(encode([piece])[0])
+            yield ids if cap is not None and len(ids) >= cap else [*ids, eos_id]
 
 
 def worker_shard(tokens: torch.Tensor, worker: int, workers: int) -> torch.Tensor:

@@ -10,7 +10,6 @@ the reference experiments. Parameters: ``2 * vocab * hidden`` (embeddings + lm_h
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -18,6 +17,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+from mergekit_loco.io.files import read_json, shown
 
 _COMMON = {
     "tie_word_embeddings": False,
@@ -124,12 +125,14 @@ def _read_config_file(spec: str) -> dict:
         path = path / "config.json"
     if not path.is_file():
         raise ValueError(f"unknown model {spec!r}: not a preset ({presets}) nor a JSON file")
-    try:
-        kwargs = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"model config {str(path)!r} is not valid JSON: {error}") from error
+    kwargs = read_json(path, "model config")  # a regular file, strict JSON, bounded
     if not isinstance(kwargs, dict):
         raise ValueError(f"model config {str(path)!r} must hold a JSON object (presets: {presets})")
+    if "auto_map" in kwargs:
+        raise ValueError(
+            f"{shown(path)}: asks to run custom Python code (auto_map); refused: mergekit_loco "
+            "never runs code from a checkpoint or tokenizer folder"
+        )
     return kwargs
 
 

@@ -12,15 +12,20 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from mergekit_loco.io import open_checkpoint
 from mergekit_loco.io.atomic import write_atomically
+from mergekit_loco.io.hf import check_hf_folder
 from mergekit_loco.methods import METHODS
 from mergekit_loco.run_layout import CONFIG, METRICS
 from mergekit_loco.task_vector import TaskVector
 from mergekit_loco.train.checkpoint import (
+    SHARED,
     Checkpoint,
     load_checkpoint,
+    reading,
     restore_rng_state,
+    rng_file,
     rng_state,
     save_checkpoint,
+    worker_file,
 )
 from mergekit_loco.train.config import TrainConfig
 from mergekit_loco.train.data import (
@@ -111,21 +116,24 @@ class Run:
         saved = load_checkpoint(path, [w.index for w in self.workers], self.group.rank)
         if set(saved.global_params) != set(self.global_params):
             raise ValueError(f"checkpoint {path} holds other tensors than the model")
-        if self.driver is not None:
-            shared = driver_state(saved.shared, self.driver)
-            self.driver.load_state_dict({**shared, "global_params": saved.global_params})
-        else:
-            with torch.no_grad():
-                for name, tensor in self.global_params.items():
-                    tensor.copy_(saved.global_params[name])
-            self.dp_optimizer.load_state_dict(saved.shared)
+        with reading(path / SHARED):  # a damaged file's error names it (never a bare KeyError)
+            if self.driver is not None:
+                shared = driver_state(saved.shared, self.driver)
+                self.driver.load_state_dict({**shared, "global_params": saved.global_params})
+            else:
+                with torch.no_grad():
+                    for name, tensor in self.global_params.items():
+                        tensor.copy_(saved.global_params[name])
+                self.dp_optimizer.load_state_dict(saved.shared)
         for worker in self.workers:
-            worker.stream.load_state_dict(saved.workers[worker.index]["data"])
-            if worker.inner is not None:
-                worker.inner.load_state_dict(saved.workers[worker.index]["inner"])
-                if self.group.device.type != "cpu":
-                    worker.inner.to("cpu")
-        restore_rng_state(saved.rng)
+            with reading(path / worker_file(worker.index)):
+                worker.stream.load_state_dict(saved.workers[worker.index]["data"])
+                if worker.inner is not None:
+                    worker.inner.load_state_dict(saved.workers[worker.index]["inner"])
+                    if self.group.device.type != "cpu":
+                        worker.inner.to("cpu")
+        with reading(path / rng_file(self.group.rank)):
+            restore_rng_state(saved.rng)
         self.start_round = self.completed = saved.round
         self.last_saved = (saved.round, path)
 
@@ -244,6 +252,7 @@ def load_model(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> torch
         return build_model(model_spec, config.run.seed)
     init = Path(config.model.init)
     if (init / "config.json").is_file():
+        check_hf_folder(init, "--init", weights=True)  # no auto_map, nothing leading outside
         model = AutoModelForCausalLM.from_pretrained(
             init, dtype=torch.float32, local_files_only=True, trust_remote_code=False
         )

@@ -4,16 +4,20 @@ metrics, write the final model."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
 from transformers import PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
-from mergekit_loco.io.atomic import write_atomically
-from mergekit_loco.run_layout import CHECKPOINTS, FINAL, METRICS
-from mergekit_loco.train.checkpoint import latest_checkpoint, read_state
+from mergekit_loco.io.atomic import staged_output, write_atomically
+from mergekit_loco.run_layout import (
+    CHECKPOINTS,
+    check_run_replaceable,
+    clear_previous_run,
+    previous_run,
+)
+from mergekit_loco.train.checkpoint import STATE, latest_checkpoint, read_state, reading
 from mergekit_loco.train.config import TrainConfig
 from mergekit_loco.train.workers import WorkerGroup
 
@@ -25,7 +29,8 @@ def check_output(out: Path, config: TrainConfig) -> Path | None:
         checkpoint = latest_checkpoint(out)
         if checkpoint is None:
             raise ValueError(f"nothing to resume: {out / CHECKPOINTS} holds no checkpoint")
-        changes = config.differences(read_state(checkpoint)["config"])
+        with reading(checkpoint / STATE):  # a damaged config in state.json names the file
+            changes = config.differences(read_state(checkpoint)["config"])
         if changes and not config.checkpoint.allow_config_change:
             raise ValueError(
                 f"{checkpoint} was written with another config ({'; '.join(changes)}); "
@@ -38,11 +43,10 @@ def check_output(out: Path, config: TrainConfig) -> Path | None:
             f"{out} already holds a run ({', '.join(p.name for p in previous)}); pass --resume "
             "to continue it, --force to start over, or choose another --out"
         )
+    if previous:  # --force: only over a run we wrote, never deleting an input
+        data = config.data
+        check_run_replaceable(out, [config.model.init, data.tokenizer, *data.source.split(",")])
     return None
-
-
-def previous_run(out: Path) -> list[Path]:
-    return [out / name for name in (METRICS, CHECKPOINTS, FINAL) if (out / name).exists()]
 
 
 def claim_output(out: Path, config: TrainConfig, group: WorkerGroup) -> None:
@@ -51,24 +55,20 @@ def claim_output(out: Path, config: TrainConfig, group: WorkerGroup) -> None:
     if group.is_main:
         out.mkdir(parents=True, exist_ok=True)
         if not config.checkpoint.resume:
-            for path in previous_run(out):
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
+            clear_previous_run(out)
     group.barrier()
 
 
 def save_final(folder: Path, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> None:
-    """``folder``: config.json + model.safetensors + tokenizer, written beside and renamed."""
-    staging = folder.with_name(f".{folder.name}.tmp")
-    shutil.rmtree(staging, ignore_errors=True)
+    """``folder``: config.json + model.safetensors + tokenizer, staged beside and renamed in
+    (:func:`mergekit_loco.io.atomic.staged_output`; a previous final model is replaced)."""
     hf_logging.disable_progress_bar()
     try:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
+        with staged_output(folder, "final model", replace=True) as staging:
+            model.save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
     finally:
         hf_logging.enable_progress_bar()
-    if folder.exists():
-        shutil.rmtree(folder)
-    staging.rename(folder)
 
 
 class MetricsLog:

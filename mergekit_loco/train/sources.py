@@ -4,10 +4,17 @@ A data spec is a comma-separated list of sources: ``stdlib`` (the Python standar
 own sources, the default), ``pydoc`` (its English documentation topics), ``austen`` and
 ``bible`` (public-domain text that Debian packages ship, unpacked beforehand; see docs/data.md),
 or a path (text file, ``.jsonl`` file, folder).
+
+User files are read as hostile input: only regular files, UTF-8 text without NUL bytes (the first
+:data:`SNIFF_BYTES` are checked when the spec is loaded, so a binary file fails at once; the rest
+as it streams), and never whole: a document's text comes in pieces of at most
+:data:`CHUNK_BYTES`, cut after a newline, and a ``.jsonl`` line may hold at most
+:data:`MAX_JSONL_LINE_BYTES`. Memory is bounded by what is tokenized, not by the file size.
 """
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import hashlib
 import json
@@ -16,13 +23,21 @@ import re
 import struct
 import sysconfig
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from mergekit_loco.io.files import UnsafeInputError, open_regular, shown
 
 BUILTIN_SOURCES = ("stdlib", "pydoc", "austen", "bible")
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl")
 _STDLIB_SKIPPED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
+#: Largest piece of a document's text read at once (a file up to this size is one piece).
+CHUNK_BYTES = 2**20
+#: Bytes of each file checked for binary content when the data spec is loaded.
+SNIFF_BYTES = 8192
+#: Longest ``.jsonl`` line (one document) accepted.
+MAX_JSONL_LINE_BYTES = 64 * 2**20
 
 
 def cache_root() -> Path:
@@ -32,11 +47,20 @@ def cache_root() -> Path:
 
 @dataclass(frozen=True)
 class Document:
-    """A named document whose text is read on demand; ``stamp`` changes when the text may."""
+    """A named document whose text is read on demand, in pieces of at most :data:`CHUNK_BYTES`
+    (``chunks()``); ``stamp`` changes when the text may."""
 
     name: str
     stamp: str
-    read: Callable[[], str]
+    chunks: Callable[[], Iterable[str]]
+
+    def read(self) -> str:
+        """The whole text (for small documents and tests; streaming code uses ``chunks``)."""
+        return "".join(self.chunks())
+
+
+def in_memory(name: str, stamp: str, text: str) -> Document:
+    return Document(name, stamp, lambda: (text,))
 
 
 # -- sources ------------------------------------------------------------------------------------
@@ -83,7 +107,7 @@ def _source_documents(source: str) -> list[Document]:
         if not documents:
             raise ValueError(f"data folder {source!r} holds no {'/'.join(TEXT_SUFFIXES)} files")
         return documents
-    if path.is_file():
+    if path.exists():  # a FIFO or device is refused by name here, not read
         return _file_documents(path, source)
     raise ValueError(
         f"unknown data source {source!r}: not one of {', '.join(BUILTIN_SOURCES)} "
@@ -95,23 +119,111 @@ def _file_documents(path: Path, name: str) -> list[Document]:
     """One document per text file; one per line (its "text" field) of a ``.jsonl`` file."""
     stat = path.stat()
     stamp = f"{stat.st_size}:{stat.st_mtime_ns}"
+    sniff_text(path)
     if path.suffix != ".jsonl":
-        return [Document(name, stamp, lambda: path.read_text(encoding="utf-8", errors="replace"))]
-    documents = []
-    with path.open(encoding="utf-8", errors="replace") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                text = json.loads(line)["text"]
-            except (json.JSONDecodeError, KeyError, TypeError) as error:
+        return [Document(name, stamp, lambda: stream_text(path))]
+    return [
+        Document(f"{name}:{number}", stamp, lambda offset=offset: (jsonl_text(path, offset),))
+        for number, offset in jsonl_lines(path)
+    ]
+
+
+def not_text(path: Path, position: int, what: str) -> ValueError:
+    return ValueError(
+        f"{shown(path)}: not a text file ({what} at byte {position}); --data reads UTF-8 text, "
+        ".jsonl files and folders of them"
+    )
+
+
+def check_text(path: Path, block: bytes, position: int, decoder, final: bool = False) -> str:
+    """``block`` (at byte ``position`` of ``path``) decoded as UTF-8 text without NUL bytes."""
+    nul = block.find(b"\0")
+    if nul >= 0:
+        raise not_text(path, position + nul, "a NUL byte")
+    try:
+        return decoder.decode(block, final)
+    except UnicodeDecodeError as error:
+        raise not_text(path, position + error.start, "invalid UTF-8") from None
+
+
+def sniff_text(path: Path) -> None:
+    """Refuse ``path`` at once if its first :data:`SNIFF_BYTES` are not UTF-8 text (a cut
+    multi-byte character at the end of the sample is allowed)."""
+    try:
+        with open_regular(path, "text file") as handle:
+            block = handle.read(SNIFF_BYTES)
+    except UnsafeInputError as error:
+        raise ValueError(str(error)) from None
+    check_text(path, block, 0, codecs.getincrementaldecoder("utf-8")())
+
+
+def stream_text(path: Path) -> Iterator[str]:
+    """The text of ``path`` in pieces of about :data:`CHUNK_BYTES`, each cut after a newline
+    when there is one (so a file up to that size is one piece, as if read whole)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    carry, position = "", 0
+    try:
+        handle = open_regular(path, "text file")
+    except UnsafeInputError as error:
+        raise ValueError(str(error)) from None
+    with handle:
+        while True:
+            block = handle.read(CHUNK_BYTES)
+            text = carry + check_text(path, block, position, decoder, final=not block)
+            position += len(block)
+            if not block:
+                if text:
+                    yield text
+                return
+            cut = text.rfind("\n") + 1 or len(text)
+            piece, carry = text[:cut], text[cut:]
+            if piece:
+                yield piece
+
+
+def jsonl_lines(path: Path) -> Iterator[tuple[int, int]]:
+    """``(line number, byte offset)`` of every non-empty line of a ``.jsonl`` file, each checked
+    to be a JSON object with a "text" string (read one bounded line at a time)."""
+    try:
+        handle = open_regular(path, "text file")
+    except UnsafeInputError as error:
+        raise ValueError(str(error)) from None
+    with open(handle.fileno(), "rb", closefd=False) as lines, handle:
+        offset = 0
+        for number in range(1, 2**63):
+            line = lines.readline(MAX_JSONL_LINE_BYTES + 1)
+            if not line:
+                return
+            if len(line) > MAX_JSONL_LINE_BYTES:
                 raise ValueError(
-                    f'{path}:{number}: expected a JSON object with a "text" string'
-                ) from error
-            if not isinstance(text, str):
-                raise ValueError(f'{path}:{number}: "text" is not a string')
-            documents.append(Document(f"{name}:{number}", stamp, lambda text=text: text))
-    return documents
+                    f"{shown(path)}:{number}: line longer than {MAX_JSONL_LINE_BYTES} bytes"
+                )
+            if line.strip():
+                parse_jsonl_line(path, number, line, offset)
+                yield number, offset
+            offset += len(line)
+
+
+def parse_jsonl_line(path: Path, number: int, line: bytes, offset: int) -> str:
+    text = check_text(path, line, offset, codecs.getincrementaldecoder("utf-8")(), final=True)
+    try:
+        value = json.loads(text)["text"]
+    except (json.JSONDecodeError, KeyError, TypeError, RecursionError):
+        raise ValueError(
+            f'{shown(path)}:{number}: expected a JSON object with a "text" string'
+        ) from None
+    if not isinstance(value, str):
+        raise ValueError(f'{shown(path)}:{number}: "text" is not a string')
+    return value
+
+
+def jsonl_text(path: Path, offset: int) -> str:
+    """The "text" of the ``.jsonl`` line starting at byte ``offset``."""
+    with open_regular(path, "text file") as handle:
+        handle.seek(offset)
+        with open(handle.fileno(), "rb", closefd=False) as lines:
+            line = lines.readline(MAX_JSONL_LINE_BYTES + 1)
+    return parse_jsonl_line(path, 0, line, offset)
 
 
 def _stdlib_documents() -> list[Document]:
@@ -136,7 +248,7 @@ def _pydoc_documents() -> list[Document]:
     except ImportError as error:
         raise ValueError("data source 'pydoc': this Python has no pydoc_data.topics") from error
     return [
-        Document(f"pydoc/{name}", hashlib.sha256(text.encode()).hexdigest(), lambda text=text: text)
+        in_memory(f"pydoc/{name}", hashlib.sha256(text.encode()).hexdigest(), text)
         for name, text in sorted(topics.items())
     ]
 
@@ -162,7 +274,7 @@ def _austen_documents() -> list[Document]:
         chapters = _split_before(lines, heading)
         for number, chapter in enumerate(chapters):
             text = "\n".join(chapter).strip() + "\n"
-            documents.append(Document(f"austen/{book}/{number:03d}", stamp, lambda t=text: t))
+            documents.append(in_memory(f"austen/{book}/{number:03d}", stamp, text))
     return documents
 
 
@@ -264,7 +376,7 @@ def _bible_documents() -> list[Document]:
     module = modules[0].parent
     stamp = str(sum((module / f"{part}.bzz").stat().st_size for part in ("ot", "nt")))
     return [
-        Document(f"bible/{chapter}", stamp, lambda t=text: t)
+        in_memory(f"bible/{chapter}", stamp, text)
         for chapter, text in read_sword_ztext_chapters(module).items()
     ]
 

@@ -1,0 +1,147 @@
+"""Reading files that strangers made: regular files only, inside their folder, bounded.
+
+Every input file is opened with :func:`open_regular` (no FIFO, device or socket can block or
+stream forever; ``O_NONBLOCK`` so that opening a FIFO never waits), small JSON files are read
+with :func:`read_json` (a size cap, no NaN/Infinity, no duplicate keys, bounded nesting), and a
+file named by another file (a shard in an index, a tokenizer file in a folder) must resolve
+inside that folder (:func:`inside`). Messages show paths through :func:`shown`, which escapes
+control and format characters, so a crafted name cannot break the one-line error or drive the
+terminal. No message ever quotes bytes of a file that failed to parse.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import unicodedata
+from pathlib import Path
+from typing import BinaryIO
+
+#: Bound on small JSON files (index, config, manifest, state): safetensors' header cap.
+MAX_JSON_BYTES = 100_000_000
+
+
+class UnsafeInputError(ValueError):
+    """An input that is not a readable regular file, leads outside its folder, or is malformed."""
+
+
+def shown(value: object) -> str:
+    """``value`` as text safe for a one-line message: control/format characters escaped."""
+    text = str(value)
+    return "".join(
+        char.encode("unicode_escape").decode("ascii")
+        if unicodedata.category(char) in ("Cc", "Cf", "Zl", "Zp")
+        else char
+        for char in text
+    )
+
+
+def kind_of(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "not a regular file"
+
+
+def open_regular(path: Path, what: str = "file") -> BinaryIO:
+    """Open ``path`` for binary reading, refusing anything but a regular file (unbuffered).
+
+    The check is made on the opened descriptor (``fstat``), so a swap after the check cannot
+    slip a FIFO or device in.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise UnsafeInputError(f"{shown(path)}: no such {what}") from None
+    except OSError as error:
+        raise UnsafeInputError(f"{shown(path)}: cannot read ({error.strerror or error})") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise UnsafeInputError(f"{shown(path)}: is {kind_of(mode)}, not a {what}")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb", buffering=0)
+
+
+def read_limited(path: Path, limit: int, what: str = "file") -> bytes:
+    """The bytes of the regular file ``path``, refusing one larger than ``limit`` bytes."""
+    with open_regular(path, what) as handle:
+        size = os.fstat(handle.fileno()).st_size
+        if size > limit:
+            raise UnsafeInputError(f"{shown(path)}: {size} bytes, more than a {what} may hold")
+        try:
+            return handle.read(limit + 1)[:limit]
+        except OSError as error:
+            reason = error.strerror or error
+            raise UnsafeInputError(f"{shown(path)}: cannot read ({reason})") from None
+
+
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    result = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"key {shown(key)[:80]!r} appears twice")
+        result[key] = value
+    return result
+
+
+def parse_json(raw: bytes, where: str) -> object:
+    """Strict JSON: UTF-8, no NaN/Infinity, no duplicate keys, nesting bounded by the
+    interpreter's recursion limit (a deeper text is refused, never a ``RecursionError``).
+
+    Raises :class:`UnsafeInputError` naming ``where`` (never quoting the bytes).
+    """
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise UnsafeInputError(f"{where}: not UTF-8 (at byte {error.start})") from None
+    try:
+        return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+    except json.JSONDecodeError as error:
+        raise UnsafeInputError(
+            f"{where}: not valid JSON ({error.msg} at char {error.pos})"
+        ) from None
+    except RecursionError:
+        raise UnsafeInputError(f"{where}: not valid JSON (nested too deep)") from None
+    except ValueError as error:
+        raise UnsafeInputError(f"{where}: not valid JSON ({error})") from None
+
+
+def read_json(path: Path, what: str = "JSON file", limit: int = MAX_JSON_BYTES) -> object:
+    """:func:`parse_json` of the regular file ``path`` (at most ``limit`` bytes)."""
+    return parse_json(read_limited(path, limit, what), shown(path))
+
+
+def inside(folder: Path, name: str, what: str) -> Path:
+    """``folder / name``, refusing a name that is absolute, climbs out (``..``) or resolves
+    (through symlinks) outside ``folder``: the file a checkpoint or tokenizer folder names must
+    be in that folder."""
+    if not isinstance(name, str) or not name or "\0" in name:
+        raise UnsafeInputError(f"{shown(folder)}: {what} is not a file name")
+    relative = Path(name)
+    if relative.is_absolute() or ".." in relative.parts:
+        raise UnsafeInputError(
+            f"{shown(folder)}: {what} {shown(name)!r} points outside the folder; refused"
+        )
+    path = folder / relative
+    try:
+        resolved = path.resolve()
+        root = folder.resolve()
+    except (OSError, RuntimeError) as error:
+        raise UnsafeInputError(f"{shown(path)}: cannot resolve ({error})") from None
+    if not resolved.is_relative_to(root):
+        raise UnsafeInputError(
+            f"{shown(path)}: {what} is a symlink leading outside {shown(folder)}; refused "
+            "(copy the real file into the folder)"
+        )
+    return path

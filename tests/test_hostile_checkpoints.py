@@ -1,0 +1,191 @@
+"""Damaged run folders and caches: a checkpoint whose manifest was rewritten to match its damage,
+refused pickles, a NaN "last good" checkpoint, pointers and manifests leading outside, a cut
+token cache (rebuilt), 8-bit float merges and out-of-range options: one line, exit 2."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import stdlib_corpus
+from hostile import TRAIN, assert_not_read, assert_refused, run_cli, snapshot
+from safetensors.torch import load_file, save_file
+
+from mergekit_loco.cli import main
+from mergekit_loco.train.checkpoint import Checkpoint, NotFinite, save_checkpoint
+from mergekit_loco.train.workers import SimulatedWorkers
+
+CKPT = Path("checkpoints") / "round-000001"
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    files = ["json/decoder.py", "json/encoder.py", "textwrap.py", "string.py"]
+    with stdlib_corpus(tmp_path_factory.mktemp("ckpt"), files) as folder:
+        yield folder
+
+
+@pytest.fixture(scope="module")
+def stopped(corpus, tmp_path_factory) -> Path:
+    """A run stopped after round 1 of 2 with a checkpoint (copy before use)."""
+    out = tmp_path_factory.mktemp("stopped") / "run"
+    with pytest.raises(SystemExit) as exited:
+        main(["train", *TRAIN, f"--data={corpus}", f"--out={out}", "--checkpoint-every=1",
+              "--stop-after=1"])  # fmt: skip
+    assert exited.value.code in (0, None)
+    return out
+
+
+class Evil:
+    """A pickle that would create a file when loaded (weights_only must refuse it)."""
+
+    def __init__(self, sentinel: str):
+        self.sentinel = sentinel
+
+    def __reduce__(self):
+        return (Path.write_text, (Path(self.sentinel), "ran"))
+
+
+def rewrite_manifest(folder: Path) -> None:
+    """Recompute every sha256 in the manifest, as an attacker (or a careless tool) would."""
+    manifest = json.loads((folder / "manifest.json").read_text())
+    for name in manifest["files"]:
+        manifest["files"][name] = hashlib.sha256((folder / name).read_bytes()).hexdigest()
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+def damage(run: Path, case: str, sentinel: Path) -> tuple[Path, str]:
+    """Damage ``run``'s checkpoint; returns the file the message must name and a fragment."""
+    folder = run / CKPT
+    if case == "global_garbage":
+        (folder / "global.safetensors").write_bytes(b"\x10" + bytes(40))
+        return folder / "global.safetensors", "header"
+    if case == "global_nan":
+        params = load_file(folder / "global.safetensors")
+        first = next(iter(params))
+        params[first].view(-1)[0] = float("nan")
+        save_file(params, folder / "global.safetensors")
+        return folder / "global.safetensors", "holds NaN or Inf; not a good checkpoint"
+    if case == "evil_pickle":
+        with open(folder / "shared.pt", "wb") as handle:
+            pickle.dump(Evil(str(sentinel)), handle)
+        return folder / "shared.pt", "cannot be loaded"
+    if case == "shared_missing_key":
+        torch.save({"momentum_buffers": {}}, folder / "shared.pt")
+        return folder / "shared.pt", "missing entry"
+    if case == "worker_not_a_state":
+        torch.save([1, 2, 3], folder / "worker-0000.pt")
+        return folder / "worker-0000.pt", "does not hold what this run needs"
+    if case == "state_no_round":
+        state = json.loads((folder / "state.json").read_text())
+        del state["round"]
+        (folder / "state.json").write_text(json.dumps(state))
+        return folder / "state.json", 'has no "round"'
+    if case == "state_not_json":
+        (folder / "state.json").write_text('{"round": 1, "round": 2}')
+        return folder / "state.json", "appears twice"
+    if case == "manifest_names_outside":
+        manifest = json.loads((folder / "manifest.json").read_text())
+        manifest["files"]["../../../secret"] = "0" * 64
+        (folder / "manifest.json").write_text(json.dumps(manifest))
+        return folder, "../../../secret"
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize("case", ["global_garbage", "global_nan", "evil_pickle",
+                                  "shared_missing_key", "worker_not_a_state", "state_no_round",
+                                  "state_not_json", "manifest_names_outside"])  # fmt: skip
+def test_resume_from_a_damaged_checkpoint_names_the_file(capsys, tmp_path, corpus, stopped, case):
+    run = tmp_path / "run"
+    shutil.copytree(stopped, run)
+    sentinel = tmp_path / "pickle_ran.txt"
+    named, fragment = damage(run, case, sentinel)
+    if case != "manifest_names_outside":
+        rewrite_manifest(run / CKPT)
+    before = snapshot(tmp_path)
+    code, err, opened = run_cli(
+        capsys, "train", *TRAIN, f"--data={corpus}", f"--out={run}", "--resume"
+    )
+    assert_refused(code, err, str(named), fragment)
+    assert not sentinel.exists()
+    assert_not_read(opened, tmp_path / "secret")
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("pointer", ["../../outside", "/etc", "round-000001/../../x", "\x00"])
+def test_latest_pointer_must_name_a_checkpoint_of_the_run(capsys, tmp_path, corpus, stopped,
+                                                          pointer):  # fmt: skip
+    run = tmp_path / "run"
+    shutil.copytree(stopped, run)
+    (run / "checkpoints" / "latest").write_text(pointer + "\n")
+    before = snapshot(tmp_path)
+    code, err, _ = run_cli(capsys, "train", *TRAIN, f"--data={corpus}", f"--out={run}", "--resume")
+    line = assert_refused(code, err, str(run / "checkpoints" / "latest"), "does not name")
+    assert pointer.strip() not in line.split("latest", 1)[1]  # the file's bytes are not echoed
+    assert snapshot(tmp_path) == before
+
+
+def test_non_finite_parameters_are_never_saved_as_a_checkpoint(tmp_path):
+    group = SimulatedWorkers(1, torch.device("cpu"))
+    state = Checkpoint(round=3, config={}, global_params={"w": torch.tensor([1.0, float("inf")])},
+                       shared=None, workers={0: {"data": {"position": 0}}})  # fmt: skip
+    with pytest.raises(NotFinite, match="round 3: global parameter 'w' holds NaN or Inf"):
+        save_checkpoint(tmp_path, state, group)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_cut_token_cache_is_rebuilt(capsys, tmp_path, corpus, monkeypatch):
+    monkeypatch.setenv("MLOCO_CACHE", str(tmp_path / "cache"))
+    args = ["train", *TRAIN, f"--data={corpus}"]
+    assert run_cli(capsys, *args, f"--out={tmp_path / 'a'}")[0] == 0
+    (cache,) = (tmp_path / "cache" / "tokens").glob("*.pt")
+    whole = cache.read_bytes()
+    cache.write_bytes(whole[: len(whole) // 2])
+    code, err, _ = run_cli(capsys, *args, f"--out={tmp_path / 'b'}")
+    assert code == 0, err
+    assert cache.read_bytes() == whole  # healed: the same tokens, written again
+    assert torch.equal(
+        load_file(tmp_path / "a" / "final" / "model.safetensors")["lm_head.weight"],
+        load_file(tmp_path / "b" / "final" / "model.safetensors")["lm_head.weight"],
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_8_bit_float_inputs_merge_in_float32_and_keep_their_dtype(capsys, tmp_path, dtype):
+    base = torch.tensor([0.5, 1.0, -2.0, 4.0]).to(dtype)
+    tunes = [
+        torch.tensor([1.0, 1.5, -2.0, 3.0]).to(dtype),
+        torch.tensor([0.0, 2.0, -1.0, 4.0]).to(dtype),
+    ]
+    save_file({"w": base}, tmp_path / "base.safetensors")
+    for index, tune in enumerate(tunes):
+        save_file({"w": tune}, tmp_path / f"ft{index}.safetensors")
+    out = tmp_path / "out.safetensors"
+    code, err, _ = run_cli(capsys, "merge", tmp_path / "ft0.safetensors",
+                           tmp_path / "ft1.safetensors", "--base", tmp_path / "base.safetensors",
+                           "-m", "ta", "-o", out)  # fmt: skip
+    assert code == 0, err
+    expected = base.double() + sum(t.double() - base.double() for t in tunes)  # by hand, float64
+    merged = load_file(out)["w"]
+    assert merged.dtype == dtype
+    assert torch.equal(merged, expected.float().to(dtype))
+
+
+@pytest.mark.parametrize(("option", "fragment"), [
+    (["--scale", "1e39"], "--scale"), (["--seed", str(10**23)], "--seed"),
+    (["--seed", "1e23"], "--seed"), (["--shard-size", "0.1B"], "--shard-size"),
+])  # fmt: skip
+def test_out_of_range_options_are_one_line(capsys, tmp_path, option, fragment):
+    save_file({"w": torch.ones(2)}, tmp_path / "base.safetensors")
+    save_file({"w": torch.zeros(2)}, tmp_path / "ft.safetensors")
+    before = snapshot(tmp_path)
+    code, err, _ = run_cli(capsys, "merge", tmp_path / "ft.safetensors", "--base",
+                           tmp_path / "base.safetensors", "-m", "dare", "-o", tmp_path / "o",
+                           *option)  # fmt: skip
+    assert_refused(code, err, fragment)
+    assert snapshot(tmp_path) == before

@@ -1,0 +1,69 @@
+"""Folders that ask transformers to run their own Python (``auto_map``) are refused in one line,
+never prompted for and never imported: ``train --tokenizer``, ``train --init``, ``eval``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from checkpoint_factory import save_model, tiny_llama
+from conftest import stdlib_corpus
+from hostile import TRAIN, assert_not_read, assert_refused, run_cli, snapshot
+
+from mergekit_loco.train.data import train_tokenizer
+
+EVIL = "import pathlib; pathlib.Path({sentinel!r}).write_text('ran')\n"
+
+
+def plant_code(folder: Path, config_name: str, sentinel: Path) -> None:
+    """Add ``auto_map`` to ``folder/config_name`` and the module it names, which would write
+    ``sentinel`` if imported."""
+    config = json.loads((folder / config_name).read_text())
+    config["auto_map"] = {"AutoTokenizer": ["evil.EvilTokenizer", None],
+                          "AutoConfig": "evil.EvilConfig",
+                          "AutoModelForCausalLM": "evil.EvilModel"}  # fmt: skip
+    (folder / config_name).write_text(json.dumps(config))
+    (folder / "evil.py").write_text(EVIL.format(sentinel=str(sentinel)))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    files = ["json/decoder.py", "json/encoder.py", "textwrap.py", "string.py"]
+    with stdlib_corpus(tmp_path_factory.mktemp("code"), files) as folder:
+        yield folder
+
+
+def evil_model(tmp_path: Path, sentinel: Path) -> Path:
+    folder = save_model(tiny_llama(), tmp_path / "evil_model", "folder")
+    tokenizer = train_tokenizer([["def f(x):\n    return x + 1\n" * 50]], vocab_size=300)
+    tokenizer.save_pretrained(folder)
+    plant_code(folder, "config.json", sentinel)
+    return folder
+
+
+@pytest.mark.parametrize("where", ["train_tokenizer", "train_init", "eval"])
+def test_auto_map_folders_are_refused_and_no_code_runs(capsys, tmp_path, corpus, where):
+    sentinel = tmp_path / "code_ran.txt"
+    folder = evil_model(tmp_path, sentinel)
+    out = tmp_path / "run"
+    if where == "train_tokenizer":
+        folder = tmp_path / "evil_tokenizer"
+        train_tokenizer([["def f(x):\n    return x\n" * 50]], vocab_size=300).save_pretrained(
+            folder
+        )
+        plant_code(folder, "tokenizer_config.json", sentinel)
+        args = ["train", *TRAIN, f"--data={corpus}", f"--out={out}", f"--tokenizer={folder}"]
+        bad = folder / "tokenizer_config.json"
+    elif where == "train_init":
+        args = ["train", *TRAIN, f"--data={corpus}", f"--out={out}", f"--init={folder}"]
+        bad = folder / "config.json"
+    else:
+        args = ["eval", folder, f"--data={corpus}", "--tokens=256", "--seq-len=32"]
+        bad = folder / "config.json"
+    before = snapshot(tmp_path)
+    code, err, opened = run_cli(capsys, *args)
+    assert_refused(code, err, str(bad), "auto_map", "refused")
+    assert not sentinel.exists()
+    assert_not_read(opened, folder / "evil.py")
+    assert snapshot(tmp_path) == before  # no run folder, no output

@@ -1,0 +1,142 @@
+"""``--force`` replaces only what mloco wrote (or a plain checkpoint): never a user's folder, an
+input or a folder holding one, never through a symlink; a failed commit leaves no ``.old-``."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import stdlib_corpus
+from hostile import TRAIN, assert_refused, run_cli, snapshot
+from safetensors.torch import load_file, save_file
+
+from mergekit_loco.io import atomic
+from mergekit_loco.io.atomic import OWNER_MARKER
+
+
+@pytest.fixture
+def inputs(tmp_path) -> tuple[Path, Path]:
+    """A base and a fine-tune, single files in ``tmp_path/in``."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    save_file({"w": torch.zeros(4)}, folder / "base.safetensors")
+    save_file({"w": torch.ones(4)}, folder / "ft.safetensors")
+    return folder / "base.safetensors", folder / "ft.safetensors"
+
+
+def merge(capsys, inputs, out, *extra):
+    base, model = inputs
+    return run_cli(capsys, "merge", model, "--base", base, "-m", "ta", "-o", out, *extra)
+
+
+def test_force_refuses_a_folder_it_did_not_write(capsys, tmp_path, inputs):
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "id_ed25519").write_text("secret")
+    (home / "model.safetensors").write_bytes(b"x")
+    before = snapshot(tmp_path)
+    code, err, _ = merge(capsys, inputs, home, "--force")
+    assert_refused(code, err, str(home), "--force replaces only an output mergekit_loco wrote")
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("where", ["parent_of_input", "the_input", "inside_input_folder"])
+def test_output_never_overlaps_an_input(capsys, tmp_path, inputs, where):
+    base, _ = inputs
+    folder_input = tmp_path / "folder_model"
+    folder_input.mkdir()
+    save_file({"w": torch.ones(4)}, folder_input / "model.safetensors")
+    out = {"parent_of_input": base.parent, "the_input": base,
+           "inside_input_folder": folder_input / "merged"}[where]  # fmt: skip
+    (base.parent / OWNER_MARKER).write_text("{}")  # even a folder marked as ours
+    before = snapshot(tmp_path)
+    base_arg = folder_input if where == "inside_input_folder" else base
+    code, err, _ = run_cli(
+        capsys, "merge", inputs[1], "--base", base_arg, "-m", "ta", "-o", out, "--force"
+    )
+    assert_refused(code, err, str(out), "would overlap the input")
+    assert snapshot(tmp_path) == before
+
+
+def test_symlinked_output_is_refused_and_its_target_kept(capsys, tmp_path, inputs):
+    target = tmp_path / "precious"
+    target.mkdir()
+    (target / "notes.txt").write_text("keep")
+    link = tmp_path / "merged"
+    link.symlink_to(target)
+    before = snapshot(tmp_path)
+    code, err, _ = merge(capsys, inputs, link, "--force")
+    assert_refused(code, err, str(link), "symlink")
+    assert snapshot(tmp_path) == before and (target / "notes.txt").read_text() == "keep"
+
+
+def test_force_replaces_its_own_output_and_a_failed_commit_leaves_no_old(
+    capsys, tmp_path, inputs, monkeypatch
+):
+    out = tmp_path / "merged"
+    assert merge(capsys, inputs, out)[0] == 0
+    assert (out / OWNER_MARKER).is_file()
+    first = snapshot(out)
+    rename = os.rename
+
+    def failing_rename(source, destination):
+        if ".tmp-" in str(source):  # the new output into place: fails
+            raise OSError(28, "No space left on device")
+        return rename(source, destination)
+
+    monkeypatch.setattr(atomic.os, "rename", failing_rename)
+    code, err, _ = merge(capsys, inputs, out, "--force", "--scale", "0.5")
+    assert_refused(code, err, str(out), "No space left on device")
+    assert snapshot(out) == first
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    monkeypatch.undo()
+    assert merge(capsys, inputs, out, "--force", "--scale", "0.5")[0] == 0
+    assert torch.equal(load_file(out / "model.safetensors")["w"], torch.full((4,), 0.5))
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    files = ["json/decoder.py", "json/encoder.py", "textwrap.py", "string.py"]
+    with stdlib_corpus(tmp_path_factory.mktemp("force"), files) as folder:
+        yield folder
+
+
+def test_train_force_refuses_a_run_folder_it_did_not_write(capsys, tmp_path, corpus):
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / "thesis.tex").write_text("years of work")
+    (out / "metrics.jsonl").write_text("{}\n")
+    before = snapshot(tmp_path)
+    code, err, _ = run_cli(capsys, "train", *TRAIN, f"--data={corpus}", f"--out={out}", "--force")
+    assert_refused(code, err, str(out), f"no {OWNER_MARKER}")
+    assert snapshot(tmp_path) == before
+
+
+def test_train_force_never_deletes_an_input_or_a_planted_symlink(capsys, tmp_path, corpus):
+    out = tmp_path / "run"
+    code, err, _ = run_cli(capsys, "train", *TRAIN, f"--data={corpus}", f"--out={out}")
+    assert code == 0, err
+    assert (out / OWNER_MARKER).is_file() and (out / "final" / OWNER_MARKER).is_file()
+    before = snapshot(tmp_path)
+    args = ["train", *TRAIN, f"--data={corpus}", f"--out={out}", "--force"]
+    code, err, _ = run_cli(capsys, *args, f"--init={out / 'final'}")
+    assert_refused(code, err, str(out / "final"), "would delete the input")
+    assert snapshot(tmp_path) == before
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("keep")
+    shutil.rmtree(out / "checkpoints")
+    (out / "checkpoints").symlink_to(elsewhere)
+    before = snapshot(tmp_path)
+    code, err, _ = run_cli(capsys, *args)
+    assert_refused(code, err, str(out / "checkpoints"), "does not hold what a run writes")
+    assert snapshot(tmp_path) == before
+    (out / "checkpoints").unlink()
+    code, err, _ = run_cli(capsys, *args)  # our own run: --force starts over
+    assert code == 0, err
+    assert (elsewhere / "keep.txt").read_text() == "keep"
