@@ -140,22 +140,35 @@ def merge_one(
             method, name, inputs, base_on_device.shape, compute_dtype, device
         )
         return finish_one(name, method, base_on_device, merged, scale, [], out_dtype)
-    deltas, appended = [], []
-    while inputs:
+    # A sum method (merged = finish(sum_t local_term(tau_t, t))) is summed as the deltas come,
+    # so one running sum is held instead of T deltas; any other method gets the T deltas.
+    summing = method.is_sum()
+    deltas, appended, total = [], [], None
+    for index in range(len(inputs)):
         tuned = inputs.pop(0)
         if tuned is None:
-            deltas.append(torch.zeros_like(base_on_device, dtype=compute_dtype))
+            delta = torch.zeros_like(base_on_device, dtype=compute_dtype)
+        elif isinstance(tuned, LowRankDelta):
+            delta = tuned.dense(base_on_device)
+        else:
+            tuned = tuned.to(device=device, dtype=compute_dtype)  # a fresh read: ours
+            if base_on_device.ndim and tuned.shape[0] > rows:
+                appended.append(tuned[rows:])
+                tuned = tuned[:rows]
+            delta = tuned.sub_(base_on_device)
+        del tuned
+        if not summing:
+            deltas.append(delta)
             continue
-        if isinstance(tuned, LowRankDelta):
-            deltas.append(tuned.dense(base_on_device))
-            continue
-        tuned = tuned.to(device=device, dtype=compute_dtype)  # a fresh read: ours to overwrite
-        if base_on_device.ndim and tuned.shape[0] > rows:
-            appended.append(tuned[rows:])
-            tuned = tuned[:rows]
-        deltas.append(tuned.sub_(base_on_device))
-    merged = method.merge_tensor(name, deltas)
-    del deltas
+        term = method.local_term(name, delta, index)
+        del delta
+        total = term if total is None else total.add_(term)
+        del term
+    if summing:
+        merged = method.finish(name, total, index + 1).to(compute_dtype)
+    else:
+        merged = method.merge_tensor(name, deltas)
+    del deltas, total
     return finish_one(name, method, base_on_device, merged, scale, appended, out_dtype)
 
 
