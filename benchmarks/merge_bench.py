@@ -5,8 +5,9 @@ Builds a Llama-shaped checkpoint with random bfloat16 weights (~106M parameters;
 ties, iso-c, tsv and iso-cts, each in a fresh process so that the child's peak RSS
 (``ru_maxrss`` from ``wait4``) belongs to that merge alone. With mergekit available (its own
 interpreter via --mergekit-python, or ``mergekit-yaml`` on PATH / --mergekit-bin) the shared
-merges (mean = mergekit's linear, ta, ties) run through mergekit right after ours, and a table
-of ratios is printed, with the largest difference between the two outputs. ``cat`` of the four
+merges (mean = mergekit's linear, ta, ties) run from one YAML file through mloco
+(``load_merge_config``) and then mergekit, and a table of ratios is printed, with the largest
+difference between the two outputs. ``cat`` of the four
 input files is timed too: the I/O floor.
 
     python benchmarks/merge_bench.py [--small] [--mergekit-python PY] [--repeat N]
@@ -54,10 +55,17 @@ RUNS = {
 MLOCO_CHILD = """
 import json, sys
 from mergekit_loco.merge import merge_checkpoints, peak_rss_bytes
+from mergekit_loco.merge_config import load_merge_config
 spec = json.loads(sys.argv[1])
 floor = peak_rss_bytes()
-summary = merge_checkpoints(spec["models"], spec["base"], spec["method"], spec["out"],
-                            progress=False, force=True, **spec["params"])
+if spec["config"]:  # the YAML mergekit runs, read by mloco
+    c = load_merge_config(spec["config"])
+    summary = merge_checkpoints(c.models, c.base, c.method, spec["out"], scale=c.scale,
+                                dtype=c.dtype, compute_dtype=c.compute_dtype, progress=False,
+                                force=True, **c.params)
+else:
+    summary = merge_checkpoints(spec["models"], spec["base"], spec["method"], spec["out"],
+                                progress=False, force=True, **spec["params"])
 print(json.dumps({"merge_seconds": summary.seconds, "floor_bytes": floor}))
 """
 
@@ -137,14 +145,20 @@ class Result:
     floor_bytes: int | None = None
 
 
-def run_mloco(label, base, models, out) -> Result:
-    method, params, with_base, _ = RUNS[label]
+def run_mloco(label, base, models, out, workdir) -> Result:
+    """mloco's merge: from the same YAML file as mergekit's where the method is shared."""
+    method, params, with_base, shared = RUNS[label]
+    config = None
+    if shared:
+        config = workdir / f"mergekit-{label}.yml"
+        config.write_text(mergekit_config(label, base, models))
     spec = {
         "models": [str(m) for m in models],
         "base": str(base) if with_base else None,
         "method": method,
         "out": str(out),
         "params": params,
+        "config": str(config) if config else None,
     }
     seconds, peak, stdout = run_measured([sys.executable, "-c", MLOCO_CHILD, json.dumps(spec)])
     child = json.loads(stdout.strip().splitlines()[-1])
@@ -282,7 +296,9 @@ def main() -> None:
             for label in args.methods:
                 print(f"merging with {label} ...", flush=True)
                 out = workdir / f"out-{label}"
-                runs.setdefault((label, "mloco"), []).append(run_mloco(label, base, models, out))
+                runs.setdefault((label, "mloco"), []).append(
+                    run_mloco(label, base, models, out, workdir)
+                )
                 if mergekit and RUNS[label][3]:
                     out = workdir / f"out-mergekit-{label}"
                     result = run_mergekit(mergekit, label, base, models, out, workdir)
