@@ -182,8 +182,10 @@ def merge(
     debug: Debug = False,
 ) -> None:
     """Merge fine-tunes of one base: theta = base + scale * method(model_t - base)."""
-    if config is None and (not models or method is None):
-        raise ValueError("give MODEL... and --method (or a --config file)")
+    if config is None and method is None:
+        raise ValueError("Missing option '--method' (or give a --config file)")
+    if config is None and not models:
+        raise ValueError("Missing argument 'MODELS...' (or give a --config file)")
     if (
         config is None
         and base is None
