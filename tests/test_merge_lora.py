@@ -213,6 +213,7 @@ def test_adapter_without_base_and_foreign_modules_are_errors(adapters, tmp_path,
     assert code == 2
     assert_one_line_error(err, str(folders[0]), "LoRA adapter", "--base")
     other = save_model(tiny_llama(0, hidden_size=8, intermediate_size=16), tmp_path / "other")
+    capsys.readouterr()  # transformers may draw a progress bar while saving
     code, _, err = run_main(
         capsys, "merge", folders[0], "--base", other, "--method", "ta", "-o", tmp_path / "o"
     )
