@@ -11,6 +11,7 @@ from transformers import PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from mergekit_loco.io.atomic import staged_output, write_atomically
+from mergekit_loco.io.files import UnsafeInputError, parse_json, read_limited, shown
 from mergekit_loco.run_layout import (
     CHECKPOINTS,
     check_run_replaceable,
@@ -71,6 +72,28 @@ def save_final(folder: Path, model: torch.nn.Module, tokenizer: PreTrainedTokeni
         hf_logging.enable_progress_bar()
 
 
+def read_events(path: Path) -> list[tuple[str, dict]]:
+    """The non-empty lines of ``metrics.jsonl`` with their JSON objects; a line that is not a
+    JSON object with an integer round is an error naming the file and line."""
+    events = []
+    text = read_limited(path, MAX_METRICS_BYTES, "metrics file").decode("utf-8", "replace")
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            event = parse_json(line.encode(), f"{shown(path)}:{number}")
+        except UnsafeInputError as error:
+            raise ValueError(f"{error}; a damaged metrics log (fix or delete that line)") from None
+        if not isinstance(event, dict) or type(event.get("round", 0)) is not int:
+            raise ValueError(f"{shown(path)}:{number}: not a metrics event (a JSON object)")
+        events.append((line, event))
+    return events
+
+
+#: Bound on ``metrics.jsonl`` read on resume (a run writes a few hundred bytes a round).
+MAX_METRICS_BYTES = 1 << 30
+
+
 class MetricsLog:
     """``metrics.jsonl``: one JSON object per line, appended and flushed (rank 0 only).
 
@@ -84,10 +107,8 @@ class MetricsLog:
         if enabled and path.is_file():
             kept = [
                 line
-                for line in path.read_text().splitlines()
-                if line.strip()
-                and json.loads(line).get("event") != "final"
-                and json.loads(line).get("round", 0) <= keep_until_round
+                for line, event in read_events(path)
+                if event.get("event") != "final" and event.get("round", 0) <= keep_until_round
             ]
             write_atomically(path, "".join(f"{line}\n" for line in kept))
 
