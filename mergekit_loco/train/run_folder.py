@@ -10,7 +10,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
-from mergekit_loco.io.atomic import staged_output, write_atomically
+from mergekit_loco.io.atomic import OutputRefused, staged_output, write_atomically
 from mergekit_loco.io.files import UnsafeInputError, parse_json, read_limited, shown
 from mergekit_loco.run_layout import (
     CHECKPOINTS,
@@ -26,6 +26,7 @@ from mergekit_loco.train.workers import WorkerGroup
 def check_output(out: Path, config: TrainConfig) -> Path | None:
     """The checkpoint to resume from (``resume``), else make sure ``out`` holds no other run
     (unless ``force``). Refuses a resume whose run-defining config differs. Writes nothing."""
+    check_out_outside_inputs(out, config)
     if config.checkpoint.resume:
         checkpoint = latest_checkpoint(out)
         if checkpoint is None:
@@ -45,9 +46,28 @@ def check_output(out: Path, config: TrainConfig) -> Path | None:
             "to continue it, --force to start over, or choose another --out"
         )
     if previous:  # --force: only over a run we wrote, never deleting an input
-        data = config.data
-        check_run_replaceable(out, [config.model.init, data.tokenizer, *data.source.split(",")])
+        check_run_replaceable(out, run_inputs(config))
     return None
+
+
+def run_inputs(config: TrainConfig) -> list[str]:
+    """The paths a run reads: ``--init``, ``--tokenizer`` and every ``--data`` source."""
+    return [p for p in (config.model.init, config.data.tokenizer) if p] + [
+        part.strip() for part in config.data.source.split(",")
+    ]
+
+
+def check_out_outside_inputs(out: Path, config: TrainConfig) -> None:
+    """Refuse an ``--out`` that is, or lies inside, an input folder: the run would write into
+    its own inputs (a ``metrics.jsonl`` in a data folder becomes data of the next run)."""
+    where = out.resolve()
+    for given in run_inputs(config):
+        source = Path(given).expanduser()
+        if source.is_dir() and where.is_relative_to(source.resolve()):
+            raise OutputRefused(
+                f"{shown(out)}: --out lies inside the input {shown(source)}; choose a run folder "
+                "outside the data, tokenizer and --init folders"
+            )
 
 
 def claim_output(out: Path, config: TrainConfig, group: WorkerGroup) -> None:
