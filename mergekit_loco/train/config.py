@@ -185,9 +185,13 @@ class TrainConfig:
 
 
 def default(flat: str) -> Any:
-    """The default of a flat option (CLI help reads it here)."""
+    """The declared default of a flat option (CLI help reads it here), read off the section's
+    field without building the section (whose checks import the merge methods, and torch)."""
     section, name = FLAT_KEYS[flat]
-    return getattr(SECTIONS[section](), name)
+    declared = next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == name)
+    if declared.default is dataclasses.MISSING:
+        return declared.default_factory()
+    return declared.default
 
 
 # -- filling a config ---------------------------------------------------------------------------
