@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make demo`: merge the bundled tiny checkpoints with every method, then train DiLoCo and
 # IsoLoCo (R = 8 simulated workers) on the embedded corpus (the Python standard library's own
-# sources) and print both validation losses. About 4 minutes on 2 idle CPU cores.
+# sources) and print both validation losses. About 3 minutes on 2 idle CPU cores.
 # Usage: bash examples/demo.sh [OUT_DIR]   (default: demo-out)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,10 +10,10 @@ out="${1:-demo-out}"
 tokens="${MLOCO_DEMO_TOKENS:-400000}"
 
 cat <<INTRO
-mergekit_loco demo: usually about 4 minutes on 2 idle CPU cores (longer on a busy machine).
-  1. merge examples/tiny (a tiny Llama and three fine-tunes) with all 8 merge methods  ~30 s
+mergekit_loco demo: usually about 3 minutes on 2 idle CPU cores (5 on a busy machine).
+  1. merge examples/tiny (a tiny Llama and three fine-tunes) with all 8 merge methods  ~20 s
   2. train DiLoCo, then IsoLoCo (Iso-C as the aggregator): the nano Llama (1.8M parameters),
-     8 simulated workers x 10 inner steps per round, $tokens tokens each   ~1.5 min each;
+     8 simulated workers x 10 inner steps per round, $tokens tokens each   ~1 min each;
      the first run trains a tokenizer on the corpus (~20 s) and the second reuses it
   3. print both validation losses and the folders the trained models are in
 Everything goes to $out/. Progress is shown as it runs.

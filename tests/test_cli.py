@@ -18,7 +18,7 @@ from mergekit_loco.cli.catalog import method_catalog
 from mergekit_loco.cli.merge import DEFAULT_SHARD_SIZE, parse_size
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny"
-HEAVY_MODULES = ("torch", "transformers", "mergekit_loco.train", "mergekit_loco.merge")
+HEAVY_MODULES = ("torch", "transformers", "mergekit_loco.train.loop", "mergekit_loco.merge")
 IMPORTS_AFTER = """
 import json, sys
 from mergekit_loco.cli import main
@@ -48,7 +48,16 @@ def run_main(capsys, *args) -> tuple[int, str, str]:
 
 
 @pytest.mark.parametrize(
-    "args", [["--help"], [], ["methods"], ["mrege"], ["merge", "--help"], ["report", "--help"]]
+    "args",
+    [
+        ["--help"],
+        [],
+        ["methods"],
+        ["mrege"],
+        ["merge", "--help"],
+        ["report", "--help"],
+        ["train", "--help"],
+    ],  # fmt: skip
 )
 def test_starting_imports_neither_torch_nor_the_trainer(args):
     assert modules_imported_by(args) == []

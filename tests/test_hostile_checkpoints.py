@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import pickle
 import shutil
 from pathlib import Path
@@ -188,4 +189,25 @@ def test_out_of_range_options_are_one_line(capsys, tmp_path, option, fragment):
                            tmp_path / "base.safetensors", "-m", "dare", "-o", tmp_path / "o",
                            *option)  # fmt: skip
     assert_refused(code, err, fragment)
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize(("file", "content", "fragment"), [
+    ("metrics.jsonl", '{"event": "round", "round": 1}\n[1, 2\n', "metrics.jsonl:2: not valid JSON"),
+    ("metrics.jsonl", '{"event": "round", "round": "one"}\n', "not a metrics event"),
+    ("config.json", "[]", "not a JSON object"),
+    ("config.json", "fifo", "is a FIFO"),
+])  # fmt: skip
+def test_resume_with_a_damaged_run_file_names_it(capsys, tmp_path, corpus, stopped, file, content,
+                                                 fragment):  # fmt: skip
+    run = tmp_path / "run"
+    shutil.copytree(stopped, run)
+    (run / file).unlink()
+    if content == "fifo":
+        os.mkfifo(run / file)
+    else:
+        (run / file).write_text(content)
+    before = snapshot(tmp_path)
+    code, err, _ = run_cli(capsys, "train", *TRAIN, f"--data={corpus}", f"--out={run}", "--resume")
+    assert_refused(code, err, str(run / file), fragment)
     assert snapshot(tmp_path) == before

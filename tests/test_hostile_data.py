@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from hostile import TRAIN, assert_refused, run_cli, snapshot
+from hostile import TRAIN, assert_not_read, assert_refused, run_cli, snapshot
 
 LINE = "the quick brown fox jumps over the lazy dog, then rests a while by the river.\n"
 
@@ -79,3 +79,37 @@ def test_memory_is_bounded_by_the_token_budget_not_the_file_size(tmp_path):
                 handle.write(LINE * (2**20 // len(LINE)))
         peaks[size] = peak_rss(folder, tmp_path / f"cache{size}")
     assert peaks[80] < peaks[5] + 64 * 2**20, peaks
+
+
+def test_a_data_folder_never_leads_outside(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("MLOCO_CACHE", str(tmp_path / "cache"))
+    secret = tmp_path / "secret.txt"
+    secret.write_text("private notes\n" * 100)
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "a.txt").write_text(LINE * 200)
+    (folder / "b.txt").symlink_to(secret)
+    before = snapshot(tmp_path)
+    code, err, opened = run_cli(
+        capsys, "train", *TRAIN, f"--data={folder}", "--out", tmp_path / "r"
+    )
+    assert_refused(code, err, str(folder / "b.txt"), "leading outside")
+    assert_not_read(opened, secret)
+    after = snapshot(tmp_path)
+    assert {k: v for k, v in after.items() if not k.startswith("cache")} == before
+
+
+def test_a_tokenizer_file_leading_outside_is_refused(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("MLOCO_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text(LINE * 400)
+    outside = tmp_path / "outside.json"
+    outside.write_text("{}")
+    tokenizer = tmp_path / "tok"
+    tokenizer.mkdir()
+    (tokenizer / "tokenizer.json").symlink_to(outside)
+    args = ["train", *TRAIN, f"--data={tmp_path / 'corpus'}", f"--tokenizer={tokenizer}"]
+    code, err, opened = run_cli(capsys, *args, "--out", tmp_path / "r")
+    assert_refused(code, err, str(tokenizer / "tokenizer.json"), "leading outside")
+    assert_not_read(opened, outside)
+    assert not (tmp_path / "r").exists()

@@ -140,3 +140,12 @@ def test_train_force_never_deletes_an_input_or_a_planted_symlink(capsys, tmp_pat
     code, err, _ = run_cli(capsys, *args)  # our own run: --force starts over
     assert code == 0, err
     assert (elsewhere / "keep.txt").read_text() == "keep"
+
+
+def test_train_out_inside_an_input_folder_is_refused(capsys, tmp_path, corpus):
+    data = tmp_path / "corpus"
+    shutil.copytree(corpus, data)
+    before = snapshot(tmp_path)
+    code, err, _ = run_cli(capsys, "train", *TRAIN, f"--data={data}", f"--out={data / 'run'}")
+    assert_refused(code, err, str(data / "run"), "--out lies inside the input")
+    assert snapshot(tmp_path) == before

@@ -264,3 +264,38 @@ def test_fuzzed_headers_never_crash_and_never_accept_what_safetensors_refuses(mu
             for name, tensor in ours.items():
                 assert torch.equal(theirs.get_tensor(name).view(torch.uint8),
                                    tensor.view(torch.uint8))  # fmt: skip
+
+
+def hub_cache_snapshot(root: Path, state: dict[str, torch.Tensor]) -> Path:
+    """The Hugging Face hub cache layout: ``snapshots/REV/model.safetensors`` is a relative
+    symlink to ``blobs/HASH``."""
+    repository = root / "models--org--tiny"
+    (repository / "blobs").mkdir(parents=True)
+    save_file(state, repository / "blobs" / "0123abcd")
+    snapshot_folder = repository / "snapshots" / "rev1"
+    snapshot_folder.mkdir(parents=True)
+    (snapshot_folder / "model.safetensors").symlink_to("../../blobs/0123abcd")
+    return snapshot_folder
+
+
+def test_hub_cache_snapshots_merge_and_other_links_out_are_still_refused(capsys, tmp_path):
+    base = {"a": torch.tensor([1.0, 2.0, 3.0, 4.0])}
+    finetuned = {"a": torch.tensor([2.0, 2.0, 5.0, 0.0])}
+    base_file = tmp_path / "base.safetensors"
+    save_file(base, base_file)
+    snapshot_folder = hub_cache_snapshot(tmp_path / "hub", finetuned)
+    out = tmp_path / "merged.safetensors"
+    code, err, _ = run_cli(capsys, "merge", snapshot_folder, "--base", base_file, "-m", "ta",
+                           "--scale", "0.5", "-o", out)  # fmt: skip
+    assert code == 0, err
+    with safe_open(out, "pt") as merged:  # base + 0.5 * (finetuned - base), by hand
+        assert merged.get_tensor("a").tolist() == [1.5, 2.0, 4.0, 2.0]
+
+    sentinel = tmp_path / "outside.safetensors"
+    save_file(finetuned, sentinel)
+    (snapshot_folder / "model.safetensors").unlink()
+    (snapshot_folder / "model.safetensors").symlink_to(sentinel)
+    code, err, opened = run_cli(capsys, "merge", snapshot_folder, "--base", base_file, "-m",
+                                "ta", "-o", tmp_path / "again.safetensors")  # fmt: skip
+    assert_refused(code, err, str(snapshot_folder), "leading outside")
+    assert_not_read(opened, sentinel)

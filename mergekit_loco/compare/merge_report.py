@@ -19,6 +19,7 @@ from rich.table import Table
 from mergekit_loco.compare.stats import Spread, format_interval, paired_interval, spread
 from mergekit_loco.compare.tables import csv_text, format_loss, json_value
 from mergekit_loco.io.atomic import write_atomically
+from mergekit_loco.io.files import read_json
 
 EVALUATIONS = "evaluations.json"
 MERGE_SPLITS = ("select", "test")
@@ -198,7 +199,7 @@ def report_merges(
             )
         if Path(folder).name in documents:
             raise ValueError(f"merge folders need distinct names: {Path(folder).name} twice")
-        documents[Path(folder).name] = json.loads(path.read_text())
+        documents[Path(folder).name] = read_json(path, "merge evaluations")
     return report_documents(documents, out, console, figures)
 
 
@@ -206,7 +207,7 @@ def documents_from_results(path: str | Path) -> dict[str, dict]:
     """The evaluations of each fine-tune set, rebuilt from the ``merge_results.json`` that a
     report wrote (every model's loss per domain and half), so a published report re-renders
     from its own data."""
-    saved = json.loads(Path(path).read_text())
+    saved = read_json(Path(path), "merge results")
     documents: dict[str, dict] = {}
     for record in saved["models"]:
         document = documents.setdefault(record["set"], {"domains": saved["domains"], "models": []})

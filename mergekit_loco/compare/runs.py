@@ -8,13 +8,20 @@ that a report wrote from them (one row per run, no curves): :func:`load_runs` re
 from __future__ import annotations
 
 import csv
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mergekit_loco import run_layout
+from mergekit_loco.io.files import (
+    MAX_JSON_BYTES,
+    UnsafeInputError,
+    parse_json,
+    read_json,
+    read_limited,
+    shown,
+)
 
 #: the preset of the data-parallel AdamW baseline every sweep is compared with.
 BASELINE = "dp"
@@ -56,7 +63,10 @@ class Run:
 def read_run_config(run_dir: Path) -> dict[str, Any]:
     """The run's configuration as one flat dict of TrainConfig field names (the only reader of
     ``config.json`` here: a change of its layout is fixed in this one function)."""
-    return json.loads((run_dir / run_layout.CONFIG).read_text())
+    config = read_json(run_dir / run_layout.CONFIG, "run config")  # regular, strict, bounded
+    if not isinstance(config, dict):
+        raise ValueError(f"{shown(run_dir / run_layout.CONFIG)}: not a JSON object")
+    return config
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -65,11 +75,14 @@ def read_metrics(run_dir: Path) -> list[dict]:
     if not path.exists():
         return []
     events = []
-    for line in path.read_text().splitlines():
+    text = read_limited(path, MAX_JSON_BYTES * 10, "metrics file").decode("utf-8", "replace")
+    for line in text.splitlines():
         try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
+            event = parse_json(line.encode(), str(path))
+        except UnsafeInputError:
             continue
+        if isinstance(event, dict):
+            events.append(event)
     return events
 
 

@@ -122,10 +122,23 @@ def read_json(path: Path, what: str = "JSON file", limit: int = MAX_JSON_BYTES) 
     return parse_json(read_limited(path, limit, what), shown(path))
 
 
+def allowed_roots(folder: Path) -> list[Path]:
+    """Where the files ``folder`` names may resolve to: ``folder`` itself and, for a snapshot of
+    the Hugging Face hub cache (``models--ORG--NAME/snapshots/REVISION/``, whose files are
+    symlinks to ``../../blobs/HASH``), that repository's ``blobs/`` folder."""
+    root = folder.resolve()
+    repository = root.parent.parent
+    blobs = repository / "blobs"
+    is_snapshot = root.parent.name == "snapshots" and repository.name.startswith(
+        ("models--", "datasets--")
+    )
+    return [root, blobs] if is_snapshot and blobs.is_dir() and not blobs.is_symlink() else [root]
+
+
 def inside(folder: Path, name: str, what: str) -> Path:
     """``folder / name``, refusing a name that is absolute, climbs out (``..``) or resolves
-    (through symlinks) outside ``folder``: the file a checkpoint or tokenizer folder names must
-    be in that folder."""
+    (through symlinks) outside ``folder`` (or its hub-cache ``blobs/``, :func:`allowed_roots`):
+    the file a checkpoint or tokenizer folder names must be in that folder."""
     if not isinstance(name, str) or not name or "\0" in name:
         raise UnsafeInputError(f"{shown(folder)}: {what} is not a file name")
     relative = Path(name)
@@ -136,10 +149,10 @@ def inside(folder: Path, name: str, what: str) -> Path:
     path = folder / relative
     try:
         resolved = path.resolve()
-        root = folder.resolve()
+        roots = allowed_roots(folder)
     except (OSError, RuntimeError) as error:
         raise UnsafeInputError(f"{shown(path)}: cannot resolve ({error})") from None
-    if not resolved.is_relative_to(root):
+    if not any(resolved.is_relative_to(root) for root in roots):
         raise UnsafeInputError(
             f"{shown(path)}: {what} is a symlink leading outside {shown(folder)}; refused "
             "(copy the real file into the folder)"

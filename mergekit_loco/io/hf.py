@@ -42,11 +42,7 @@ def check_hf_folder(folder: str | Path, what: str, weights: bool = False) -> Pat
         settings = read_json(folder / name, name)
         if not isinstance(settings, dict):
             raise UnsafeInputError(f"{shown(folder / name)}: not a JSON object")
-        if "auto_map" in settings:
-            raise UnsafeInputError(
-                f"{shown(folder / name)}: asks to run custom Python code (auto_map); refused: "
-                "mergekit_loco never runs code from a checkpoint or tokenizer folder"
-            )
+        refuse_custom_code(folder / name, settings)
     if weights:
         from mergekit_loco.io.reader import CheckpointError, open_checkpoint
 
@@ -67,3 +63,13 @@ def check_entries(root: Path, folder: Path, depth: int) -> None:
                 check_entries(root, path, depth - 1)
         elif not path.is_file():
             raise UnsafeInputError(f"{shown(path)}: not a regular file; refused")
+
+
+def refuse_custom_code(path: Path, settings: dict) -> None:
+    """Raise :class:`UnsafeInputError` if the config ``settings`` read from ``path`` asks
+    transformers to import code shipped beside it (``auto_map``)."""
+    if "auto_map" in settings:
+        raise UnsafeInputError(
+            f"{shown(path)}: asks to run custom Python code (auto_map); refused: mergekit_loco "
+            "never runs code from a checkpoint or tokenizer folder"
+        )

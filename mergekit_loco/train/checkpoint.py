@@ -49,10 +49,9 @@ from mergekit_loco.io.files import (
     read_limited,
     shown,
 )
+from mergekit_loco.run_layout import CHECKPOINTS, LATEST
 from mergekit_loco.train.workers import WorkerGroup
 
-CHECKPOINTS = "checkpoints"
-LATEST = "latest"
 MANIFEST = "manifest.json"
 STATE = "state.json"
 GLOBAL_PARAMS = "global.safetensors"

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mergekit_loco.io.files import read_json, shown
 from mergekit_loco.train.config_sections import (
     DEFAULT_TOKENS,
     CheckpointConfig,
@@ -184,9 +185,13 @@ class TrainConfig:
 
 
 def default(flat: str) -> Any:
-    """The default of a flat option (CLI help reads it here)."""
+    """The declared default of a flat option (CLI help reads it here), read off the section's
+    field without building the section (whose checks import the merge methods, and torch)."""
     section, name = FLAT_KEYS[flat]
-    return getattr(SECTIONS[section](), name)
+    declared = next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == name)
+    if declared.default is dataclasses.MISSING:
+        return declared.default_factory()
+    return declared.default
 
 
 # -- filling a config ---------------------------------------------------------------------------
@@ -294,8 +299,11 @@ def resolve_config(config_file: str | Path | None = None, **overrides: Any) -> T
     base = TrainConfig().to_dict()
     if explicit.get("resume"):
         saved = Path(explicit.get("out", base["out"])) / "config.json"
-        if saved.is_file():
-            base.update(coerce_values(json.loads(saved.read_text()), str(saved)))
+        if saved.exists():  # a FIFO or device there is refused by read_json, not skipped
+            saved_values = read_json(saved, "run config")  # a regular file, strict, bounded
+            if not isinstance(saved_values, dict):
+                raise ValueError(f"{shown(saved)}: not a JSON object (a damaged run config?)")
+            base.update(coerce_values(saved_values, str(saved)))
     if "preset" in explicit:
         preset = explicit["preset"]
         check_choice("preset", preset, PRESETS)

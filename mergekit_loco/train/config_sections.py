@@ -7,9 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from mergekit_loco.methods import get_method
-from mergekit_loco.train.diloco import check_compression
-
 MODES = ("diloco", "dp")
 INNER_OPTIMIZERS = ("adamw", "muon")
 DEVICES = ("auto", "cpu", "cuda")
@@ -120,6 +117,9 @@ class OuterConfig:
             raise ValueError(f"outer_momentum must lie in [0, 1), got {self.momentum}")
         if self.nesterov and self.momentum == 0:
             raise ValueError("nesterov needs outer_momentum > 0 (use --no-nesterov)")
+        from mergekit_loco.methods import get_method  # torch: not for `mloco train --help`
+        from mergekit_loco.train.diloco import check_compression
+
         check_compression(self.compression)
         try:
             get_method(self.aggregator, **self.aggregator_options)

@@ -18,7 +18,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from mergekit_loco.io.files import read_json, shown
+from mergekit_loco.io.files import read_json
+from mergekit_loco.io.hf import refuse_custom_code
 
 _COMMON = {
     "tie_word_embeddings": False,
@@ -128,11 +129,7 @@ def _read_config_file(spec: str) -> dict:
     kwargs = read_json(path, "model config")  # a regular file, strict JSON, bounded
     if not isinstance(kwargs, dict):
         raise ValueError(f"model config {str(path)!r} must hold a JSON object (presets: {presets})")
-    if "auto_map" in kwargs:
-        raise ValueError(
-            f"{shown(path)}: asks to run custom Python code (auto_map); refused: mergekit_loco "
-            "never runs code from a checkpoint or tokenizer folder"
-        )
+    refuse_custom_code(path, kwargs)
     return kwargs
 
 

@@ -10,7 +10,8 @@ import torch
 from transformers import PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
-from mergekit_loco.io.atomic import staged_output, write_atomically
+from mergekit_loco.io.atomic import OutputRefused, staged_output, write_atomically
+from mergekit_loco.io.files import UnsafeInputError, parse_json, read_limited, shown
 from mergekit_loco.run_layout import (
     CHECKPOINTS,
     check_run_replaceable,
@@ -25,6 +26,7 @@ from mergekit_loco.train.workers import WorkerGroup
 def check_output(out: Path, config: TrainConfig) -> Path | None:
     """The checkpoint to resume from (``resume``), else make sure ``out`` holds no other run
     (unless ``force``). Refuses a resume whose run-defining config differs. Writes nothing."""
+    check_out_outside_inputs(out, config)
     if config.checkpoint.resume:
         checkpoint = latest_checkpoint(out)
         if checkpoint is None:
@@ -44,9 +46,28 @@ def check_output(out: Path, config: TrainConfig) -> Path | None:
             "to continue it, --force to start over, or choose another --out"
         )
     if previous:  # --force: only over a run we wrote, never deleting an input
-        data = config.data
-        check_run_replaceable(out, [config.model.init, data.tokenizer, *data.source.split(",")])
+        check_run_replaceable(out, run_inputs(config))
     return None
+
+
+def run_inputs(config: TrainConfig) -> list[str]:
+    """The paths a run reads: ``--init``, ``--tokenizer`` and every ``--data`` source."""
+    return [p for p in (config.model.init, config.data.tokenizer) if p] + [
+        part.strip() for part in config.data.source.split(",")
+    ]
+
+
+def check_out_outside_inputs(out: Path, config: TrainConfig) -> None:
+    """Refuse an ``--out`` that is, or lies inside, an input folder: the run would write into
+    its own inputs (a ``metrics.jsonl`` in a data folder becomes data of the next run)."""
+    where = out.resolve()
+    for given in run_inputs(config):
+        source = Path(given).expanduser()
+        if source.is_dir() and where.is_relative_to(source.resolve()):
+            raise OutputRefused(
+                f"{shown(out)}: --out lies inside the input {shown(source)}; choose a run folder "
+                "outside the data, tokenizer and --init folders"
+            )
 
 
 def claim_output(out: Path, config: TrainConfig, group: WorkerGroup) -> None:
@@ -71,6 +92,28 @@ def save_final(folder: Path, model: torch.nn.Module, tokenizer: PreTrainedTokeni
         hf_logging.enable_progress_bar()
 
 
+def read_events(path: Path) -> list[tuple[str, dict]]:
+    """The non-empty lines of ``metrics.jsonl`` with their JSON objects; a line that is not a
+    JSON object with an integer round is an error naming the file and line."""
+    events = []
+    text = read_limited(path, MAX_METRICS_BYTES, "metrics file").decode("utf-8", "replace")
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            event = parse_json(line.encode(), f"{shown(path)}:{number}")
+        except UnsafeInputError as error:
+            raise ValueError(f"{error}; a damaged metrics log (fix or delete that line)") from None
+        if not isinstance(event, dict) or type(event.get("round", 0)) is not int:
+            raise ValueError(f"{shown(path)}:{number}: not a metrics event (a JSON object)")
+        events.append((line, event))
+    return events
+
+
+#: Bound on ``metrics.jsonl`` read on resume (a run writes a few hundred bytes a round).
+MAX_METRICS_BYTES = 1 << 30
+
+
 class MetricsLog:
     """``metrics.jsonl``: one JSON object per line, appended and flushed (rank 0 only).
 
@@ -84,10 +127,8 @@ class MetricsLog:
         if enabled and path.is_file():
             kept = [
                 line
-                for line in path.read_text().splitlines()
-                if line.strip()
-                and json.loads(line).get("event") != "final"
-                and json.loads(line).get("round", 0) <= keep_until_round
+                for line, event in read_events(path)
+                if event.get("event") != "final" and event.get("round", 0) <= keep_until_round
             ]
             write_atomically(path, "".join(f"{line}\n" for line in kept))
 

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from mergekit_loco.io.files import UnsafeInputError, open_regular, shown
+from mergekit_loco.io.files import UnsafeInputError, inside, open_regular, shown
 
 BUILTIN_SOURCES = ("stdlib", "pydoc", "austen", "bible")
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl")
@@ -91,13 +91,7 @@ def _source_documents(source: str) -> list[Document]:
         return _bible_documents()
     path = Path(source).expanduser()
     if path.is_dir():
-        files = sorted(
-            file
-            for file in path.rglob("*")
-            if file.is_file()
-            and file.suffix in TEXT_SUFFIXES
-            and not any(part.startswith(".") for part in file.relative_to(path).parts)
-        )
+        files = folder_files(path)
         root = source.rstrip("/")
         documents = [
             document
@@ -113,6 +107,26 @@ def _source_documents(source: str) -> list[Document]:
         f"unknown data source {source!r}: not one of {', '.join(BUILTIN_SOURCES)} "
         "and no such file or folder"
     )
+
+
+def folder_files(folder: Path) -> list[Path]:
+    """The text files below ``folder`` (sorted; hidden names and symlinked folders skipped, a
+    FIFO or device skipped); a file that is a symlink leading outside ``folder`` is refused."""
+    files = []
+    for directory, subfolders, names in os.walk(folder):  # never follows symlinked folders
+        subfolders[:] = [name for name in subfolders if not name.startswith(".")]
+        for name in names:
+            file = Path(directory, name)
+            if name.startswith(".") or file.suffix not in TEXT_SUFFIXES:
+                continue
+            if file.is_symlink():
+                try:
+                    inside(folder, file.relative_to(folder).as_posix(), "data file")
+                except UnsafeInputError as error:
+                    raise ValueError(str(error)) from None
+            if file.is_file():
+                files.append(file)
+    return sorted(files)
 
 
 def _file_documents(path: Path, name: str) -> list[Document]:
