@@ -187,6 +187,25 @@ def test_stdlib_and_pydoc_sources_and_round_trip(tmp_path):
     assert len(ids) < len(text) / 2.5  # BPE actually compresses code
 
 
+def test_torchsrc_is_the_pinned_torch_package_python_files_without_tests():
+    import torch
+
+    root = Path(torch.__file__).parent
+    documents = load_documents("torchsrc")
+    names = [document.name for document in documents]
+    on_disk = sorted(
+        "torchsrc/" + path.relative_to(root).as_posix()
+        for path in root.rglob("*.py")
+        if not {"test", "tests", "__pycache__"} & set(path.relative_to(root).parts[:-1])
+    )
+    assert sorted(names) == on_disk and len(names) > 1000
+    assert names == sorted(names, key=lambda name: name.split("/"))  # a stable order
+    by_name = dict(zip(names, documents, strict=True))
+    assert by_name["torchsrc/nn/modules/linear.py"].read() == (
+        root / "nn" / "modules" / "linear.py"
+    ).read_text(encoding="utf-8")
+
+
 # -- Debian sources, on hand-built miniature packages -------------------------------------------
 def _xdr_header() -> bytes:
     return b"X\n" + struct.pack(">iiii", 3, 0x040201, 0x030500, 5) + b"UTF-8"

@@ -1,7 +1,8 @@
 """Text sources: the embedded corpora and the user's files, as named documents.
 
 A data spec is a comma-separated list of sources: ``stdlib`` (the Python standard library's
-own sources, the default), ``pydoc`` (its English documentation topics), ``austen`` and
+own sources, the default), ``pydoc`` (its English documentation topics), ``torchsrc`` (the
+Python sources of the torch package the project pins, for longer runs on code), ``austen`` and
 ``bible`` (public-domain text that Debian packages ship, unpacked beforehand; see docs/data.md),
 or a path (text file, ``.jsonl`` file, folder).
 
@@ -29,7 +30,7 @@ from pathlib import Path
 
 from mergekit_loco.io.files import UnsafeInputError, inside, open_regular, shown
 
-BUILTIN_SOURCES = ("stdlib", "pydoc", "austen", "bible")
+BUILTIN_SOURCES = ("stdlib", "pydoc", "torchsrc", "austen", "bible")
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl")
 _STDLIB_SKIPPED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
 #: Largest piece of a document's text read at once (a file up to this size is one piece).
@@ -85,6 +86,8 @@ def _source_documents(source: str) -> list[Document]:
         return _stdlib_documents()
     if source == "pydoc":
         return _pydoc_documents()
+    if source == "torchsrc":
+        return _torch_source_documents()
     if source == "austen":
         return _austen_documents()
     if source == "bible":
@@ -240,9 +243,9 @@ def jsonl_text(path: Path, offset: int) -> str:
     return parse_jsonl_line(path, 0, line, offset)
 
 
-def _stdlib_documents() -> list[Document]:
-    """The standard library's own ``.py`` files (no tests, idlelib or installed packages)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
+def _python_tree_documents(root: Path, prefix: str) -> list[Document]:
+    """The ``.py`` files below ``root`` (no tests, idlelib or installed packages), named
+    ``prefix/relative/path.py``, in sorted order."""
     files = []
     for folder, subfolders, names in os.walk(root):
         subfolders[:] = [name for name in subfolders if name not in _STDLIB_SKIPPED_DIRS]
@@ -251,8 +254,21 @@ def _stdlib_documents() -> list[Document]:
         document
         for path in sorted(files, key=lambda path: path.relative_to(root).parts)
         if os.access(path, os.R_OK)
-        for document in _file_documents(path, f"stdlib/{path.relative_to(root).as_posix()}")
+        for document in _file_documents(path, f"{prefix}/{path.relative_to(root).as_posix()}")
     ]
+
+
+def _stdlib_documents() -> list[Document]:
+    """The standard library's own ``.py`` files."""
+    return _python_tree_documents(Path(sysconfig.get_paths()["stdlib"]), "stdlib")
+
+
+def _torch_source_documents() -> list[Document]:
+    """The ``.py`` files of the installed torch package (the version pyproject pins, so the
+    same documents on every machine), without its test folders."""
+    import torch
+
+    return _python_tree_documents(Path(torch.__file__).parent, "torchsrc")
 
 
 def _pydoc_documents() -> list[Document]:
