@@ -333,6 +333,27 @@ def test_cli_runs_and_reports_errors_on_one_line(corpus, tmp_path):
     assert "Traceback" not in result.output
 
 
+@pytest.mark.parametrize(
+    ("aggregator", "workers", "message"),
+    [("tsv", 64, "leaves no singular component for each of 64 tasks"),
+     ("iso-cts", 40, "cannot hold 40 task-specific blocks")],
+)  # fmt: skip
+def test_an_aggregator_that_cannot_merge_the_shapes_fails_before_training(
+    corpus, tmp_path, aggregator, workers, message
+):
+    """micro's smallest matrices are 32 wide: TSV keeps int(32 / 64) = 0 components; Iso-CTS
+    with common_fraction 0 needs k = 32 - round(32 / 40) * 40 = -8 common directions."""
+    flags = [*TINY_FLAGS, "--workers", str(workers), "--global-batch", str(workers),
+             "--tokens", str(2 * workers * 32), "--aggregator", aggregator]  # fmt: skip
+    if aggregator == "iso-cts":
+        flags += ["--option", "common_fraction=0"]
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["train", *flags, "--data", corpus, "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
+    assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists()
+
+
 def test_cli_as_a_module_then_init_from_its_final_model(corpus, tmp_path):
     """``python -m mergekit_loco train`` (torchrun's entry point), then fine-tune its
     final folder with the dp preset: the init folder's tokenizer is used."""

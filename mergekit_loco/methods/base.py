@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
@@ -62,6 +62,10 @@ class MergeMethod:
         """The method's own distributed plans (see :mod:`mergekit_loco.methods.plan`)."""
         return ()
 
+    def check_shapes(self, shapes: Mapping[str, Sequence[int]], tasks: int) -> None:
+        """Raise ``ValueError`` naming the tensor if merging ``tasks`` deltas of these shapes
+        must fail on a shape (checked before any compute). Default: every shape works."""
+
     def as_aggregator(self, round_index: int, workers: int) -> MergeMethod:
         """The method as DiLoCo's aggregator of ``workers`` deltas in outer step
         ``round_index`` (0-based). Default: itself."""
@@ -116,6 +120,9 @@ class OfWorkerMean(MergeMethod):
     @property
     def finish_on_owner(self) -> bool:  # type: ignore[override]
         return self.method.finish_on_owner
+
+    def check_shapes(self, shapes: Mapping[str, Sequence[int]], tasks: int) -> None:
+        self.method.check_shapes(shapes, tasks)
 
     def merge_tensor(self, name: str, deltas: Sequence[torch.Tensor]) -> torch.Tensor:
         return self.method.merge_tensor(name, [self.scaled(delta) for delta in deltas])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -96,6 +96,11 @@ class IsoCts(MergeMethod):
     def __post_init__(self):
         check_fraction(self.name, "common_fraction", self.common_fraction, False, True)
         check_spectral(self.name, self.spectral)
+
+    def check_shapes(self, shapes: Mapping[str, Sequence[int]], tasks: int) -> None:
+        for name, shape in shapes.items():
+            if len(shape) == 2:
+                split_subspaces(name, min(shape), tasks, self.common_fraction)
 
     def parts(self, name: str, deltas: Sequence[torch.Tensor]):
         """``(mean(s), orthogonal)`` of matrix ``name`` (float32 at least); merged = product."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +65,11 @@ class Tsv(MergeMethod):
     """
 
     name = "tsv"
+
+    def check_shapes(self, shapes: Mapping[str, Sequence[int]], tasks: int) -> None:
+        for name, shape in shapes.items():
+            if len(shape) == 2:
+                tsv_rank(name, torch.Size(shape), tasks)
 
     def merge_tensor(self, name: str, deltas: Sequence[torch.Tensor]) -> torch.Tensor:
         if not is_matrix(deltas[0]):

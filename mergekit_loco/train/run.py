@@ -15,7 +15,6 @@ from mergekit_loco.io.atomic import write_atomically
 from mergekit_loco.io.hf import check_hf_folder
 from mergekit_loco.methods import METHODS
 from mergekit_loco.run_layout import CONFIG, METRICS
-from mergekit_loco.task_vector import TaskVector
 from mergekit_loco.train.checkpoint import (
     SHARED,
     Checkpoint,
@@ -201,8 +200,8 @@ def start_run(config: TrainConfig, group: WorkerGroup) -> Run:
 
 def make_driver(config: TrainConfig, model: torch.nn.Module, inner: list[InnerOptimizer]) -> DiLoCo:
     """DiLoCo with ``config``'s aggregator and torch SGD / Nesterov as the outer optimizer,
-    after a shape-only dry run of the aggregator on R meta tensors (so that e.g. TSV with more
-    workers than a matrix has rows fails before any compute). DARE's masks follow the run seed."""
+    after the aggregator checked the shapes of R deltas (so that e.g. TSV with more workers than
+    a matrix has rows fails before any compute). DARE's masks follow the run seed."""
     options = dict(config.outer.aggregator_options)
     if "seed" in METHODS[config.outer.aggregator].parameter_names():
         options.setdefault("seed", config.run.seed)
@@ -214,8 +213,7 @@ def make_driver(config: TrainConfig, model: torch.nn.Module, inner: list[InnerOp
         model, inner, outer, aggregator=config.outer.aggregator, sync_every=config.inner.steps,
         aggregator_options=options, compression=config.outer.compression,
     )  # fmt: skip
-    shapes = TaskVector({n: torch.empty(t.shape, device="meta") for n, t in driver.params.items()})
-    driver.method.merge([shapes] * config.run.workers)
+    driver.method.check_shapes({n: p.shape for n, p in driver.params.items()}, config.run.workers)
     return driver
 
 
