@@ -13,22 +13,19 @@ import pytest
 import torch
 
 from mergekit_loco.train import data as data_module
+from mergekit_loco.train import tokenizer as tokenizer_module
 from mergekit_loco.train.data import (
     BatchStream,
     DataExhausted,
     evaluate_loss,
-    load_or_train_tokenizer,
-    load_tokenizer,
     prepare_data,
     validation_batches,
     worker_shard,
 )
+from mergekit_loco.train.debian_formats import read_r_lazyload_strings, read_sword_ztext_chapters
 from mergekit_loco.train.model import build_model, model_config
-from mergekit_loco.train.sources import (
-    load_documents,
-    read_r_lazyload_strings,
-    read_sword_ztext_chapters,
-)
+from mergekit_loco.train.sources import load_documents
+from mergekit_loco.train.tokenizer import load_or_train_tokenizer, load_tokenizer
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron".split()
 
@@ -112,7 +109,7 @@ def test_second_call_hits_both_caches(corpus, tmp_path, monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("cache miss")
 
-    monkeypatch.setattr(data_module, "train_tokenizer", forbidden)
+    monkeypatch.setattr(tokenizer_module, "train_tokenizer", forbidden)
     monkeypatch.setattr(data_module, "_tokenize_split", forbidden)
     second = _prepare(corpus, cache, val_tokens=64, max_train_tokens=400)
     assert torch.equal(first.train, second.train) and torch.equal(first.val, second.val)

@@ -13,8 +13,8 @@ from transformers import LlamaForCausalLM
 
 from mergekit_loco import cli
 from mergekit_loco.evaluate import evaluate_models, held_out_tokens, val_set_spreads
-from mergekit_loco.train.data import load_or_train_tokenizer
 from mergekit_loco.train.model import build_model, model_config
+from mergekit_loco.train.tokenizer import load_or_train_tokenizer
 
 SEQ_LEN = 16
 TOKENS = 600

@@ -11,7 +11,7 @@ from checkpoint_factory import save_model, tiny_llama
 from conftest import stdlib_corpus
 from hostile import TRAIN, assert_not_read, assert_refused, run_cli, snapshot
 
-from mergekit_loco.train.data import train_tokenizer
+from mergekit_loco.train.tokenizer import train_tokenizer
 
 EVIL = "import pathlib; pathlib.Path({sentinel!r}).write_text('ran')\n"
 

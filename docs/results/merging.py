@@ -26,8 +26,9 @@ from mergekit_loco.compare.merge_report import (
 )
 from mergekit_loco.compare.merges import compare_merges
 from mergekit_loco.train.config import preset_config
-from mergekit_loco.train.data import load_or_train_tokenizer, prepare_data
+from mergekit_loco.train.data import prepare_data
 from mergekit_loco.train.loop import train
+from mergekit_loco.train.tokenizer import load_or_train_tokenizer
 
 DOMAINS = ["stdlib", "austen", "bible"]  # Python code, novels, scripture
 SEEDS = [0, 1]

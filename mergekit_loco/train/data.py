@@ -1,4 +1,4 @@
-"""A local byte-level BPE tokenizer, cached token streams and worker batches.
+"""Cached token streams and worker batches (the tokenizer: :mod:`mergekit_loco.train.tokenizer`).
 
 Documents come from :mod:`mergekit_loco.train.sources` (a data spec such as ``stdlib``,
 ``pydoc,austen`` or a path). Documents are joined as
@@ -11,20 +11,16 @@ equal contiguous slices of the training stream.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 from array import array
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase
 
 from mergekit_loco.io.atomic import staged_output
-from mergekit_loco.io.hf import NO_REMOTE_CODE, check_hf_folder
 from mergekit_loco.train.sources import (
     Document,
     cache_root,
@@ -32,10 +28,15 @@ from mergekit_loco.train.sources import (
     hash_order,
     load_documents,
 )
+from mergekit_loco.train.tokenizer import (
+    CACHE_FORMAT,
+    batch_encoder,
+    cache_key,
+    load_or_train_tokenizer,
+    load_tokenizer,
+    tokenizer_fingerprint,
+)
 
-EOS_TOKEN = "<|endoftext|>"
-TOKENIZER_TRAIN_CHARS = 4_000_000
-_CACHE_FORMAT = 1  # bump whenever a change alters the tokenizer or the token streams
 _ENCODE_CHUNK = 64  # documents per encode_batch call
 ENCODE_BATCH_CHARS = 2**20  # characters per encode_batch call (bounds its memory)
 
@@ -59,107 +60,6 @@ class PreparedData:
     @property
     def vocab_size(self) -> int:
         return len(self.tokenizer)
-
-
-# -- tokenizer ----------------------------------------------------------------------------------
-def train_tokenizer(
-    documents: Iterable[Iterable[str]],
-    vocab_size: int = 4096,
-    max_chars: int = TOKENIZER_TRAIN_CHARS,
-) -> PreTrainedTokenizerFast:
-    """Byte-level BPE (GPT-2 pre-tokenization) trained on the first ``max_chars`` characters of
-    ``documents`` (each an iterable of text pieces, e.g. ``Document.chunks()``).
-
-    ``<|endoftext|>`` is the only special token and serves as EOS, BOS and padding.
-    """
-    if vocab_size < 257:
-        raise ValueError(f"vocab_size must be >= 257 (256 bytes + EOS), got {vocab_size}")
-
-    def sample() -> Iterator[str]:
-        budget = max_chars
-        for pieces in documents:
-            for text in pieces:
-                if budget <= 0:
-                    return
-                yield text[:budget]
-                budget -= len(text)
-
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOS_TOKEN],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    backend.train_from_iterator(sample(), trainer=trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        eos_token=EOS_TOKEN,
-        bos_token=EOS_TOKEN,
-        pad_token=EOS_TOKEN,
-        model_max_length=2**62,
-    )
-
-
-def load_or_train_tokenizer(
-    data_spec: str,
-    vocab_size: int = 4096,
-    cache_dir: Path | None = None,
-    documents: list[Document] | None = None,
-) -> PreTrainedTokenizerFast:
-    """The BPE tokenizer of ``data_spec``, trained once and then read from the cache.
-
-    Keyed by (vocab size, document names and stamps); stored as a Hugging Face
-    tokenizer folder ``<cache_dir>/tokenizers/bpe<vocab>-<key>``.
-    """
-    documents = load_documents(data_spec) if documents is None else documents
-    key = _key(_CACHE_FORMAT, vocab_size, fingerprint(documents))
-    folder = (cache_dir or cache_root()) / "tokenizers" / f"bpe{vocab_size}-{key[:16]}"
-    if not (folder / "tokenizer.json").is_file():
-        texts = (doc.chunks() for doc in hash_order(documents, "tokenizer"))
-        tokenizer = train_tokenizer(texts, vocab_size)
-        try:
-            with staged_output(folder, "tokenizer cache") as staging:
-                tokenizer.save_pretrained(staging)
-        except OSError:  # another process finished first; its copy is identical
-            if not (folder / "tokenizer.json").is_file():
-                raise
-    return load_tokenizer(folder)
-
-
-def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    """A Hugging Face tokenizer from a local folder (never downloads, never runs its code:
-    a folder asking for custom code, or with a file leading outside it, is refused)."""
-    folder = check_hf_folder(path, "tokenizer")
-    try:
-        return AutoTokenizer.from_pretrained(folder, **NO_REMOTE_CODE)
-    except (OSError, ValueError) as error:
-        raise ValueError(f"tokenizer {str(path)!r} cannot be loaded: {error}") from error
-
-
-def _tokenizerfingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    text = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab()))
-    return hashlib.sha256(f"{type(tokenizer).__name__}\0{text}".encode()).hexdigest()
-
-
-def _batch_encoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[list[str]], list[list[int]]]:
-    """texts -> token ids, without special tokens, truncation or padding."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"]
-    backend = Tokenizer.from_str(backend.to_str())  # a private copy: settings changed below
-    backend.no_truncation()
-    backend.no_padding()
-    return lambda texts: [
-        encoding.ids for encoding in backend.encode_batch(texts, add_special_tokens=False)
-    ]
-
-
-def _key(*parts) -> str:
-    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
 
 
 # -- token streams ------------------------------------------------------------------------------
@@ -196,10 +96,10 @@ def prepare_data(
     eos_id = tokenizer_object.eos_token_id
     if eos_id is None:
         raise ValueError(f"tokenizer {tokenizer_name!r} defines no EOS token")
-    key = _key(
-        _CACHE_FORMAT,
+    key = cache_key(
+        CACHE_FORMAT,
         fingerprint(documents),
-        _tokenizerfingerprint(tokenizer_object),
+        tokenizer_fingerprint(tokenizer_object),
         max_train_tokens,
         val_tokens,
         seed,
@@ -316,7 +216,7 @@ def _encoded_documents(
     piece and cut (without EOS) as soon as it holds ``still_needed()`` ids, so no more text is
     tokenized than the caller will keep (``None``: no cap).
     """
-    encode = _batch_encoder(tokenizer)
+    encode = batch_encoder(tokenizer)
     position = 0
     while position < len(documents):
         batch, first_pieces, chars = [], [], 0

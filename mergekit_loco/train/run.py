@@ -30,8 +30,6 @@ from mergekit_loco.train.config import TrainConfig
 from mergekit_loco.train.data import (
     BatchStream,
     PreparedData,
-    load_or_train_tokenizer,
-    load_tokenizer,
     prepare_data,
     worker_shard,
 )
@@ -44,6 +42,7 @@ from mergekit_loco.train.model import (
     parameter_checksum,
 )
 from mergekit_loco.train.run_folder import MetricsLog, check_output, claim_output
+from mergekit_loco.train.tokenizer import load_or_train_tokenizer, load_tokenizer
 from mergekit_loco.train.workers import InnerOptimizer, Worker, WorkerGroup
 
 

@@ -1,0 +1,129 @@
+"""The local byte-level BPE tokenizer: trained on a data spec's documents, cached, and loaded
+(also a user's tokenizer folder, checked first: never downloaded, never running its code).
+
+``<|endoftext|>`` is the only special token (EOS, BOS and padding).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from mergekit_loco.io.atomic import staged_output
+from mergekit_loco.io.hf import NO_REMOTE_CODE, check_hf_folder
+from mergekit_loco.train.sources import (
+    Document,
+    cache_root,
+    fingerprint,
+    hash_order,
+    load_documents,
+)
+
+EOS_TOKEN = "<|endoftext|>"
+TOKENIZER_TRAIN_CHARS = 4_000_000
+CACHE_FORMAT = 1  # bump whenever a change alters the tokenizer or the token streams
+
+
+def train_tokenizer(
+    documents: Iterable[Iterable[str]],
+    vocab_size: int = 4096,
+    max_chars: int = TOKENIZER_TRAIN_CHARS,
+) -> PreTrainedTokenizerFast:
+    """Byte-level BPE (GPT-2 pre-tokenization) trained on the first ``max_chars`` characters of
+    ``documents`` (each an iterable of text pieces, e.g. ``Document.chunks()``).
+
+    ``<|endoftext|>`` is the only special token and serves as EOS, BOS and padding.
+    """
+    if vocab_size < 257:
+        raise ValueError(f"vocab_size must be >= 257 (256 bytes + EOS), got {vocab_size}")
+
+    def sample() -> Iterator[str]:
+        budget = max_chars
+        for pieces in documents:
+            for text in pieces:
+                if budget <= 0:
+                    return
+                yield text[:budget]
+                budget -= len(text)
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(sample(), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token=EOS_TOKEN,
+        bos_token=EOS_TOKEN,
+        pad_token=EOS_TOKEN,
+        model_max_length=2**62,
+    )
+
+
+def load_or_train_tokenizer(
+    data_spec: str,
+    vocab_size: int = 4096,
+    cache_dir: Path | None = None,
+    documents: list[Document] | None = None,
+) -> PreTrainedTokenizerFast:
+    """The BPE tokenizer of ``data_spec``, trained once and then read from the cache.
+
+    Keyed by (vocab size, document names and stamps); stored as a Hugging Face
+    tokenizer folder ``<cache_dir>/tokenizers/bpe<vocab>-<key>``.
+    """
+    documents = load_documents(data_spec) if documents is None else documents
+    key = cache_key(CACHE_FORMAT, vocab_size, fingerprint(documents))
+    folder = (cache_dir or cache_root()) / "tokenizers" / f"bpe{vocab_size}-{key[:16]}"
+    if not (folder / "tokenizer.json").is_file():
+        texts = (doc.chunks() for doc in hash_order(documents, "tokenizer"))
+        tokenizer = train_tokenizer(texts, vocab_size)
+        try:
+            with staged_output(folder, "tokenizer cache") as staging:
+                tokenizer.save_pretrained(staging)
+        except OSError:  # another process finished first; its copy is identical
+            if not (folder / "tokenizer.json").is_file():
+                raise
+    return load_tokenizer(folder)
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """A Hugging Face tokenizer from a local folder (never downloads, never runs its code:
+    a folder asking for custom code, or with a file leading outside it, is refused)."""
+    folder = check_hf_folder(path, "tokenizer")
+    try:
+        return AutoTokenizer.from_pretrained(folder, **NO_REMOTE_CODE)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"tokenizer {str(path)!r} cannot be loaded: {error}") from error
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab()))
+    return hashlib.sha256(f"{type(tokenizer).__name__}\0{text}".encode()).hexdigest()
+
+
+def batch_encoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[list[str]], list[list[int]]]:
+    """texts -> token ids, without special tokens, truncation or padding."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"]
+    backend = Tokenizer.from_str(backend.to_str())  # a private copy: settings changed below
+    backend.no_truncation()
+    backend.no_padding()
+    return lambda texts: [
+        encoding.ids for encoding in backend.encode_batch(texts, add_special_tokens=False)
+    ]
+
+
+def cache_key(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
