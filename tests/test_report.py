@@ -343,3 +343,14 @@ def test_protocol_decisions_by_hand(tmp_path, capsys):
     (tmp_path / sweep_report.TUNED_FILE).write_text(json.dumps(tuned))
     assert decide.main(["flags", str(tmp_path)]) == 1
     assert "tsv (outer lr: lowest tried)" in capsys.readouterr().err
+
+    # evaluation noise: model b is model a + (0.1, 0.3, 0.2, 0.4) on four parts
+    a_losses, shifts = (4.0, 5.0, 3.0, 6.0), (0.1, 0.3, 0.2, 0.4)
+    records = [{"model": name, "val_set": k, "loss": loss}
+               for name, losses in (("a", a_losses),
+                                    ("b", [x + d for x, d in zip(a_losses, shifts, strict=True)]))
+               for k, loss in enumerate(losses)]  # fmt: skip
+    (tmp_path / "noise.json").write_text(json.dumps(records))
+    assert decide.main(["noise", str(tmp_path / "noise.json")]) == 0
+    # shifts: mean 0.25, sample sd sqrt(((.15)^2 + (.05)^2 * 2 + (.15)^2) / 3) = 0.1291; se / 2
+    assert capsys.readouterr().out == "0.0645\n"

@@ -3,6 +3,7 @@
     python docs/results/aggregators_tuned.py horizon HORIZON_DIR [--tolerance 0.05]
     python docs/results/aggregators_tuned.py inner INNER_DIR...
     python docs/results/aggregators_tuned.py flags TUNE_DIR
+    python docs/results/aggregators_tuned.py noise EVAL_JSON
 
 Each prints its answer on stdout (what the script passes on) and its reasoning on stderr, and
 exits with 1 when the answer cannot be given yet (a curve not flat, an optimum on a grid edge):
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -96,6 +99,36 @@ def flags(folder: str) -> int:
     return 0
 
 
+def noise(path: str) -> int:
+    """Evaluation noise from ``mloco eval --val-sets K --json`` of several models: per model,
+    ``sd / sqrt(K)`` of its K part losses (how much the absolute loss depends on which documents
+    validate); per model after the first, the same of its per-part difference to the first model
+    (the noise of a paired comparison on the whole validation set, which is what the report's
+    differences are). Prints the largest paired standard error."""
+    records = json.loads(Path(path).read_text())
+    parts: dict[str, dict[int, float]] = {}
+    for record in records:
+        parts.setdefault(record["model"], {})[record["val_set"]] = record["loss"]
+    models = list(parts)
+    sets = sorted(parts[models[0]])
+
+    def spread(values: list[float]) -> str:
+        sd = statistics.stdev(values)
+        return (
+            f"mean {statistics.mean(values):.4f}, sd {sd:.4f}, se {sd / math.sqrt(len(values)):.4f}"
+        )
+
+    for model in models:
+        say(f"{model}: {spread([parts[model][k] for k in sets])} over {len(sets)} parts")
+    paired = []
+    for model in models[1:]:
+        differences = [parts[model][k] - parts[models[0]][k] for k in sets]
+        paired.append(statistics.stdev(differences) / math.sqrt(len(sets)))
+        say(f"{model} - {models[0]}: {spread(differences)}")
+    print(f"{max(paired):.4f}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -104,11 +137,14 @@ def main(argv: list[str] | None = None) -> int:
     found.add_argument("--tolerance", type=float, default=0.05)
     commands.add_parser("inner").add_argument("folders", nargs="+")
     commands.add_parser("flags").add_argument("folder")
+    commands.add_parser("noise").add_argument("path")
     arguments = parser.parse_args(argv)
     if arguments.command == "horizon":
         return horizon(arguments.folder, arguments.tolerance)
     if arguments.command == "inner":
         return inner(arguments.folders)
+    if arguments.command == "noise":
+        return noise(arguments.path)
     return flags(arguments.folder)
 
 

@@ -31,10 +31,13 @@ mloco compare --aggregators diloco --workers 8 --seeds "$TUNING_SEED" $SHARED \
   --tokens "$HORIZON_TOKENS" --eval-every 20 -o "$WORK/horizon"
 TOKENS=$(decide horizon "$WORK/horizon")
 
-# 2. Evaluation noise: DiLoCo's final model on the 8 disjoint 32,768-token parts of the
-#    shared validation set (their sd / sqrt(8) is the noise of one validation).
-mloco eval "$WORK/horizon/runs/diloco-R8-H10-s${TUNING_SEED%,}/final" --data stdlib,torchsrc \
-  --tokens 32768 --val-sets 8 --seed 1000 | tee "$WORK/eval_noise.txt"
+# 2. Evaluation noise: the baseline's and DiLoCo's final models on the 8 disjoint 32,768-token
+#    parts of the shared validation set; the sd / sqrt(8) of their per-part difference is the
+#    noise of one paired comparison on the whole set (printed, saved in eval_noise.json).
+mloco eval "$WORK/horizon/runs/dp-s${TUNING_SEED%,}/final" \
+  "$WORK/horizon/runs/diloco-R8-H10-s${TUNING_SEED%,}/final" --data stdlib,torchsrc \
+  --tokens 32768 --val-sets 8 --seed 1000 --json > "$WORK/eval_noise.json"
+decide noise "$WORK/eval_noise.json"
 
 # 3. One inner AdamW setting for every aggregator: the lr best for dp and DiLoCo (R = 2, 8).
 INNER_DIRS=()
