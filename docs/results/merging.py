@@ -4,7 +4,8 @@ For each seed: pre-train a nano base (data-parallel AdamW) on a mix of three emb
 fine-tune it on each domain, then ``compare_merges`` merges the three fine-tunes with every
 method and scale and evaluates every model on every domain's held-out tokens. The base holds
 out every document the evaluation uses (checked below), so no evaluated token was trained on.
-Finally the seeds are combined into docs/results/merging/.
+Finally the seeds are combined into docs/results/merging/; seeds already published there are
+read back, not rerun, so adding a seed to SEEDS runs just that seed.
 
     MLOCO_AUSTEN_DIR=... MLOCO_BIBLE_DIR=... python docs/results/merging.py WORK_DIR
 
@@ -19,19 +20,16 @@ from pathlib import Path
 
 from rich.console import Console
 
-from mergekit_loco.compare.merge_report import (
-    documents_from_results,
-    report_documents,
-    report_merges,
-)
+from mergekit_loco.compare.merge_report import EVALUATIONS, documents_from_results, report_documents
 from mergekit_loco.compare.merges import compare_merges
+from mergekit_loco.io.files import read_json
 from mergekit_loco.train.config import preset_config
 from mergekit_loco.train.data import prepare_data
 from mergekit_loco.train.loop import train
 from mergekit_loco.train.tokenizer import load_or_train_tokenizer
 
 DOMAINS = ["stdlib", "austen", "bible"]  # Python code, novels, scripture
-SEEDS = [0, 1]
+SEEDS = [0, 1, 2]
 METHODS = ["mean", "ta", "ties", "dare", "tsv", "iso-c", "iso-cts"]
 SCALES = [0.1, 0.2, 0.3, 0.5, 1.0, 1.5]
 EVAL_TOKENS = 32768  # per domain: 16384 choose the scale, 16384 are reported
@@ -115,9 +113,17 @@ def run_seed(work: Path, seed: int, console: Console) -> Path:
 
 
 def main(work: Path) -> None:
+    """Run every seed the published results do not hold yet, then report all of them (a seed
+    already published is read back from merge_results.json, not rerun)."""
     console = Console()
-    folders = [run_seed(work, seed, console) for seed in SEEDS]
-    report_merges(folders, RESULTS, console=console)
+    published = RESULTS / "merge_results.json"
+    documents = documents_from_results(published) if published.is_file() else {}
+    for seed in SEEDS:
+        name = f"merge-s{seed}"
+        if name not in documents:
+            folder = run_seed(work, seed, console)
+            documents[name] = read_json(folder / EVALUATIONS, "merge evaluations")
+    report_documents(documents, RESULTS, console=console)
 
 
 def rerender(out: Path) -> None:
