@@ -176,8 +176,9 @@ def test_bad_arguments_name_the_fault():
     with pytest.raises(ValueError, match="sync_every must be >= 1"):
         ml.DiLoCo(model, inner, torch.optim.SGD([model.weight], lr=1.0), sync_every=0)
     with pytest.raises(ValueError, match="does not take 'densty'"):
-        ml.DiLoCo(model, inner, torch.optim.SGD([model.weight], lr=1.0), aggregator="ties",
-                  aggregator_options={"densty": 0.5})  # fmt: skip
+        trainable = [model.weight, model.bias]
+        ml.DiLoCo(model, inner, torch.optim.SGD(trainable, lr=1.0), aggregator="ties",
+                  aggregator_options={"densty": 0.5}, exclude=["skip"])  # fmt: skip
 
 
 def test_driver_leaves_a_process_group_it_did_not_create(tmp_path):
@@ -192,3 +193,79 @@ def test_driver_leaves_a_process_group_it_did_not_create(tmp_path):
         assert dist.is_initialized()
     finally:
         dist.destroy_process_group()
+
+
+def tiny_driver(outer_params=None, **options):
+    model = Tiny()
+    inner = torch.optim.SGD(model.parameters(), lr=LR_INNER)
+    outer_params = [model.weight, model.bias] if outer_params is None else outer_params(model)
+    outer = torch.optim.SGD(outer_params, lr=0.7, momentum=0.9)
+    return model, inner, ml.DiLoCo(model, inner, outer, aggregator="mean", sync_every=H,
+                                   exclude=["skip"], **options)  # fmt: skip
+
+
+def inner_steps(model, inner, count, worker=0):
+    for x, y in batches(worker, 2)[:count]:
+        model.loss(torch.from_numpy(x), torch.from_numpy(y)).backward()
+        inner.step()
+        inner.zero_grad()
+
+
+def test_a_trainable_parameter_missing_from_the_outer_optimizer_is_refused():
+    with pytest.raises(ValueError, match="trainable parameter 'bias' is not in outer_optimizer"):
+        tiny_driver(outer_params=lambda model: [model.weight])
+
+
+def test_weights_loaded_after_construction_are_the_starting_point():
+    """Pretrained weights loaded between DiLoCo(...) and the with-block are theta_global: with a
+    zero inner lr, one round moves nothing (not ``0.7 * (loaded - constructed)``)."""
+    model, inner, driver = tiny_driver()
+    inner.param_groups[0]["lr"] = 0.0
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    loaded = model.weight.detach().clone()
+    with driver:
+        inner_steps(model, inner, H)
+    assert driver.outer_steps == 1 and torch.equal(model.weight, loaded)
+
+
+def test_sync_at_a_round_boundary_does_nothing_and_early_sync_flushes_the_round():
+    model, inner, driver = tiny_driver()
+    with driver:
+        inner_steps(model, inner, H)
+        assert driver.outer_steps == 1
+        after_round = model.weight.detach().clone()
+        assert driver.sync() is None  # nothing since the last outer step: no momentum step
+        assert driver.outer_steps == 1 and torch.equal(model.weight, after_round)
+        inner_steps(model, inner, 1)
+        worker = model.weight.detach().clone()
+        merged = driver.sync()  # one worker: merged = its delta after 1 step
+    assert driver.outer_steps == 2
+    torch.testing.assert_close(merged["weight"], worker - after_round, rtol=0, atol=0)
+
+
+def test_early_sync_before_the_last_simulated_worker_changes_nothing():
+    model = Tiny()
+    inners = [torch.optim.SGD(model.parameters(), lr=LR_INNER) for _ in range(2)]
+    outer = torch.optim.SGD([model.weight, model.bias], lr=0.7)
+    driver = ml.DiLoCo(model, inners, outer, aggregator="mean", sync_every=H, exclude=["skip"])
+    with driver:
+        inner_steps(model, inners[0], 1)
+        worker = model.weight.detach().clone()
+        with pytest.raises(RuntimeError, match="0 of the 2 local workers' turns done"):
+            driver.sync()
+    assert driver.local_steps == 1 and driver.pending == []
+    assert torch.equal(model.weight, worker)  # worker 0's progress is kept
+
+
+def test_an_aggregator_that_cannot_merge_the_shapes_fails_at_construction():
+    """TSV keeps int(min(3, 4) / 4) = 0 components of the 3 x 4 weight for R = 4 workers."""
+    model = Tiny()
+    inners = [torch.optim.SGD(model.parameters(), lr=LR_INNER) for _ in range(4)]
+    outer = torch.optim.SGD([model.weight, model.bias], lr=0.7)
+    with pytest.raises(ValueError, match="'weight' of shape \\(3, 4\\) leaves no singular"):
+        ml.DiLoCo(model, inners, outer, aggregator="tsv", sync_every=H, exclude=["skip"])
+
+
+def test_dir_of_the_package_is_its_public_api():
+    assert set(dir(ml)) == {*ml.__all__, "__version__"}

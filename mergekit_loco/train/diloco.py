@@ -77,6 +77,13 @@ class DiLoCo:
 
     ``backup_device`` keeps the global parameters (and so the deltas' reference) on another
     device, e.g. "cpu". The driver never creates nor destroys a process group.
+
+    theta_global starts as the model's parameters when the ``with`` block is first entered
+    (weights loaded after construction count). Every trainable, non-excluded parameter must be
+    in ``outer_optimizer``. Leaving the block mid-round leaves the model on this worker's
+    parameters (``global_params`` holds theta_global; :meth:`sync` first to evaluate the global
+    model); entering again continues the round. The global parameters and the outer state
+    keep the parameters' dtype (no float32 master copy for bf16 models).
     """
 
     def __init__(
@@ -104,11 +111,18 @@ class DiLoCo:
             name: p for name, p in named.items() if p.requires_grad and name not in excluded
         }
         allowed = {id(p) for n, p in named.items() if n not in excluded}  # frozen: grad None
-        for group in outer_optimizer.param_groups:
-            if any(id(p) not in allowed for p in group["params"]):
+        held = {id(p) for group in outer_optimizer.param_groups for p in group["params"]}
+        if held - allowed:
+            raise ValueError(
+                "outer_optimizer holds a tensor that is not a parameter of the model or is "
+                "excluded (it would step on the inner gradient)"
+            )
+        for name, param in self.params.items():
+            if id(param) not in held:
                 raise ValueError(
-                    "outer_optimizer holds a tensor that is not a parameter of the model or is "
-                    "excluded (it would step on the inner gradient)"
+                    f"trainable parameter {name!r} is not in outer_optimizer: every sync would "
+                    "reset it to its starting value; give it to the outer optimizer, or pass it "
+                    "in exclude to leave it to the inner optimizer alone"
                 )
         self.model = model
         self.inner_optimizers = (
@@ -118,6 +132,10 @@ class DiLoCo:
         self.method = resolve_aggregator(aggregator, aggregator_options)
         self.sync_every = sync_every
         self.process_group = process_group
+        world = dist.get_world_size(process_group) if dist.is_initialized() else 1
+        self.method.check_shapes(
+            {name: p.shape for name, p in self.params.items()}, len(self.inner_optimizers) * world
+        )
         self.compression = compression
         self.global_params = {
             name: p.detach().to(backup_device or p.device, copy=True)
@@ -129,9 +147,12 @@ class DiLoCo:
         self.last_comm_stats: CommStats | None = None
         self.last_outer_seconds = 0.0  # wall time of the last outer step, aggregation included
         self._hooks: list = []
+        self._started = False  # an inner step, a sync or a loaded state fixed theta_global
 
     # -- hooks ------------------------------------------------------------------------------------
     def __enter__(self) -> DiLoCo:
+        if not self._started:  # weights loaded after construction are the starting point
+            self.snapshot_global()
         self._hooks = [
             optimizer.register_step_post_hook(self._after_inner_step)
             for optimizer in self.inner_optimizers
@@ -144,6 +165,7 @@ class DiLoCo:
         self._hooks = []
 
     def _after_inner_step(self, optimizer, args, kwargs) -> None:
+        self._started = True
         self.local_steps += 1
         if self.local_steps == self.sync_every:
             self.end_turn()
@@ -160,6 +182,12 @@ class DiLoCo:
         )
 
     @torch.no_grad()
+    def snapshot_global(self) -> None:
+        """``theta_global = theta`` (the model's parameters now): the starting point."""
+        for name, param in self.params.items():
+            self.global_params[name].copy_(param.detach())
+
+    @torch.no_grad()
     def restore_global(self) -> None:
         """Load the global parameters into the model."""
         for name, param in self.params.items():
@@ -168,6 +196,7 @@ class DiLoCo:
     def end_turn(self) -> TaskVector | None:
         """Close this worker's turn: keep its delta, reset the model to the global parameters;
         after the last local worker's turn run the outer step (returns its merged delta)."""
+        self._started = True
         self.local_steps = 0
         self.pending.append(self.local_delta())
         self.restore_global()
@@ -176,12 +205,19 @@ class DiLoCo:
         deltas, self.pending = self.pending, []
         return self.outer_step(deltas)
 
-    def sync(self) -> TaskVector:
-        """End the current turn now (one worker per rank) and take the outer step."""
-        merged = self.end_turn()
-        if merged is None:
-            raise RuntimeError(f"sync() with {len(self.pending)} of the local workers' turns done")
-        return merged
+    def sync(self) -> TaskVector | None:
+        """End the current turn now and take the outer step (e.g. to flush a short last
+        round); returns the merged delta. Does nothing and returns None when no inner step was
+        taken since the last outer step. With V simulated workers it is the last worker's turn
+        that ends early: before it, RuntimeError, and nothing changes."""
+        if self.local_steps == 0 and not self.pending:
+            return None
+        if len(self.pending) + 1 < len(self.inner_optimizers):
+            raise RuntimeError(
+                f"sync() with {len(self.pending)} of the {len(self.inner_optimizers)} local "
+                "workers' turns done: only the last worker's turn can end early"
+            )
+        return self.end_turn()
 
     @torch.no_grad()
     def outer_step(self, local_deltas: Sequence[TaskVector]) -> TaskVector:
@@ -230,5 +266,6 @@ class DiLoCo:
         self.outer_steps = int(state["outer_steps"])
         self.pending = [TaskVector(dict(delta)) for delta in state.get("pending", [])]
         self.outer_optimizer.load_state_dict(state["outer"])
+        self._started = True
         if self.local_steps == 0:
             self.restore_global()
