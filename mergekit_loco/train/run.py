@@ -198,9 +198,9 @@ def start_run(config: TrainConfig, group: WorkerGroup) -> Run:
 
 
 def make_driver(config: TrainConfig, model: torch.nn.Module, inner: list[InnerOptimizer]) -> DiLoCo:
-    """DiLoCo with ``config``'s aggregator and torch SGD / Nesterov as the outer optimizer,
-    after the aggregator checked the shapes of R deltas (so that e.g. TSV with more workers than
-    a matrix has rows fails before any compute). DARE's masks follow the run seed."""
+    """DiLoCo with ``config``'s aggregator and torch SGD / Nesterov as the outer optimizer (the
+    driver checks at once that the aggregator can merge R deltas of the model's shapes).
+    DARE's masks follow the run seed."""
     options = dict(config.outer.aggregator_options)
     if "seed" in METHODS[config.outer.aggregator].parameter_names():
         options.setdefault("seed", config.run.seed)
@@ -208,12 +208,10 @@ def make_driver(config: TrainConfig, model: torch.nn.Module, inner: list[InnerOp
     outer = torch.optim.SGD(
         params, lr=config.outer.lr, momentum=config.outer.momentum, nesterov=config.outer.nesterov
     )
-    driver = DiLoCo(
+    return DiLoCo(
         model, inner, outer, aggregator=config.outer.aggregator, sync_every=config.inner.steps,
         aggregator_options=options, compression=config.outer.compression,
     )  # fmt: skip
-    driver.method.check_shapes({n: p.shape for n, p in driver.params.items()}, config.run.workers)
-    return driver
 
 
 def main_process_first(group: WorkerGroup, load):
