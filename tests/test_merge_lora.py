@@ -207,6 +207,50 @@ def test_unsupported_adapter_options_are_named(adapters, tmp_path, capsys, confi
     assert_one_line_error(err, "adapter_config.json", *fragments)
 
 
+@pytest.mark.parametrize(
+    ("config", "fragments"),
+    [
+        ({"lora_alpha": "8"}, ["lora_alpha must be a positive finite number", '"8"']),
+        ({"lora_alpha": None}, ["lora_alpha must be a positive finite number"]),
+        ({"lora_alpha": [4]}, ["lora_alpha must be a positive finite number"]),
+        ({"r": True}, ["r must be a positive integer below 2**31, not true"]),
+        ({"r": 0}, ["r must be a positive integer below 2**31, not 0"]),
+        ({"r": 10**400, "use_rslora": True}, ["r must be a positive integer below 2**31"]),
+        ({"r": 3}, ["factors of rank 2, but adapter_config.json gives rank 3"]),
+        ({"rank_pattern": {"q_proj": 0}}, ["rank_pattern['q_proj'] must be a positive integer"]),
+        ({"rank_pattern": [1, 2]}, ["'rank_pattern' must be an object of module names"]),
+        ({"alpha_pattern": {"q_proj": "big"}}, ["alpha_pattern['q_proj'] must be a positive"]),
+        ({"use_rslora": "yes"}, ["'use_rslora' must be true or false"]),
+    ],
+)
+def test_adapter_settings_of_the_wrong_type_or_rank_are_one_line(
+    adapters, tmp_path, capsys, config, fragments
+):
+    """Each bad value gets one line naming the config file and the setting, exit 2, for the
+    merge and for --lora-output alike, never a traceback and never a silent wrong scaling."""
+    base, _ = adapters
+    folder = write_adapter(tmp_path / "bad", load_state_dict(base), 2, 4, 5, **config)
+    for extra in ([], ["--lora-output"]):
+        out = tmp_path / f"out{len(extra)}"
+        code, _, err = run_main(
+            capsys, "merge", folder, "--base", base, "--method", "ta", "-o", out, *extra
+        )
+        assert code == 2
+        assert_one_line_error(err, *fragments)
+        assert not out.exists()
+
+
+def test_an_adapter_config_that_is_not_an_object_is_one_line(adapters, tmp_path, capsys):
+    base, _ = adapters
+    folder = write_adapter(tmp_path / "bad", load_state_dict(base), 2, 4, 5)
+    (folder / "adapter_config.json").write_text("[1, 2]")
+    code, _, err = run_main(
+        capsys, "merge", folder, "--base", base, "-m", "ta", "-o", tmp_path / "o"
+    )
+    assert code == 2
+    assert_one_line_error(err, "adapter_config.json", "must hold a JSON object")
+
+
 def test_adapter_without_base_and_foreign_modules_are_errors(adapters, tmp_path, capsys):
     base, folders = adapters
     code, _, err = run_main(capsys, "merge", folders[0], "--method", "mean", "-o", tmp_path / "o")

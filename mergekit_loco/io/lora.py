@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from mergekit_loco.io.atomic import check_output, staged_output
+from mergekit_loco.io.files import read_json, shown
 from mergekit_loco.io.reader import CheckpointError, CheckpointReader, read_header
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -31,14 +32,42 @@ def is_lora_adapter(path: str | Path) -> bool:
     return (Path(path) / ADAPTER_CONFIG).is_file()
 
 
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_settings(file: Path, config: dict) -> None:
+    """Rank and alpha settings are what PEFT writes: ``r`` and every ``rank_pattern`` value a
+    positive int, ``lora_alpha`` and every ``alpha_pattern`` value a positive finite number,
+    the patterns objects keyed by module names, ``use_rslora`` a bool."""
+    ranks = {"r": config.get("r")}
+    alphas = {"lora_alpha": config.get("lora_alpha", 8)}
+    for option, into in (("rank_pattern", ranks), ("alpha_pattern", alphas)):
+        pattern = config.get(option) or {}
+        if not isinstance(pattern, dict):
+            raise CheckpointError(f"{shown(file)}: {option!r} must be an object of module names")
+        into.update({f"{option}[{key!r}]": value for key, value in pattern.items()})
+    for where, rank in ranks.items():
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 < rank < 2**31:
+            raise CheckpointError(
+                f"{shown(file)}: {where} must be a positive integer below 2**31, not "
+                f"{json.dumps(rank)[:40]}"
+            )
+    for where, alpha in alphas.items():
+        if not _is_number(alpha) or alpha <= 0:
+            raise CheckpointError(
+                f"{shown(file)}: {where} must be a positive finite number, not "
+                f"{json.dumps(alpha)[:40]}"
+            )
+    if not isinstance(config.get("use_rslora", False), bool):
+        raise CheckpointError(f"{shown(file)}: 'use_rslora' must be true or false")
+
+
 def read_adapter_config(folder: Path) -> dict:
     file = folder / ADAPTER_CONFIG
-    try:
-        config = json.loads(file.read_text())
-    except OSError as error:
-        raise CheckpointError(f"{file}: cannot read ({error.strerror or error})") from None
-    except ValueError as error:
-        raise CheckpointError(f"{file}: bad JSON ({error})") from None
+    config = read_json(file, "adapter config")  # a regular file, strict JSON, bounded
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{shown(file)}: must hold a JSON object")
     refusals = [
         ("peft_type", config.get("peft_type", "LORA") != "LORA", "only LORA adapters are read"),
         ("use_dora", bool(config.get("use_dora")), "DoRA's magnitude vector is not a delta"),
@@ -51,8 +80,7 @@ def read_adapter_config(folder: Path) -> dict:
         if refused:
             shown_value = json.dumps(config.get(option))
             raise CheckpointError(f"{file}: {option!r} is {shown_value}: {reason}")
-    if not isinstance(config.get("r"), int) or config["r"] <= 0:
-        raise CheckpointError(f"{file}: 'r' must be a positive integer, not {config.get('r')!r}")
+    _check_settings(file, config)
     return config
 
 
@@ -74,6 +102,7 @@ class LoraAdapter:
         self.config = config
         self._reader = CheckpointReader(self.path, weights, read_header(weights))
         self._modules = self._pair_factors(weights)
+        self._ranks: dict[str, int] = {}  # module -> the rank its config gives
         self._scalings = {
             name: self._scaling(config, module) for name, module in self._module_names.items()
         }
@@ -112,6 +141,7 @@ class LoraAdapter:
 
         rank = pattern_value(config.get("rank_pattern"), config["r"])
         alpha = pattern_value(config.get("alpha_pattern"), config.get("lora_alpha", 8))
+        self._ranks[module] = rank
         return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
     def targets(self) -> list[str]:
@@ -137,6 +167,12 @@ class LoraAdapter:
                 raise CheckpointError(
                     f"{self.path}: {name!r}: B {[rows, rank_b]} @ A {[rank_a, cols]} does not "
                     f"give the base's shape {list(base.shape(name))}"
+                )
+            configured = self._ranks[self._module_names[name]]
+            if rank_a != configured:
+                raise CheckpointError(
+                    f"{self.path}: {name!r}: factors of rank {rank_a}, but {ADAPTER_CONFIG} "
+                    f"gives rank {configured} (its scaling would be wrong)"
                 )
 
     def factors(self, name: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
