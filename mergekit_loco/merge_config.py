@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from mergekit_loco.io.files import read_limited
 from mergekit_loco.methods import METHODS
 
 #: mergekit method -> (mloco method, parameter defaults as mergekit has them)
@@ -60,6 +61,7 @@ NO_EFFECT = {"int8_mask"}
 PER_MODEL = ("weight", "density", "gamma")
 TOP_LEVEL_KEYS = {"merge_method", "base_model", "models", "parameters", "dtype", "out_dtype"}
 UNSUPPORTED_TOP_LEVEL = {"slices", "modules", "tokenizer_source", "tokenizer", "chat_template"}
+MAX_CONFIG_BYTES = 2**20
 DTYPES = {
     "float32": torch.float32,
     "float64": torch.float64,
@@ -86,10 +88,9 @@ class ConfiguredMerge:
 
 
 def read_yaml(path: Path) -> dict:
+    text = read_limited(path, MAX_CONFIG_BYTES, "merge config")  # a regular file, bounded
     try:
-        config = yaml.safe_load(path.read_text())
-    except OSError as error:
-        raise MergeConfigError(f"{path}: cannot read ({error.strerror or error})") from None
+        config = yaml.safe_load(text)
     except yaml.YAMLError as error:
         raise MergeConfigError(f"{path}: not valid YAML ({error})".replace("\n", " ")) from None
     if not isinstance(config, dict):
@@ -107,8 +108,15 @@ def scalar(path: Path, where: str, key: str, value: object) -> object:
     return value
 
 
+def number(path: Path, key: str, value: object) -> float:
+    """A finite int or float setting (not a bool, a string or a list)."""
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        raise MergeConfigError(f"{path}: {key} must be a finite number, not {value!r:.40}")
+    return float(value)
+
+
 def parse_dtype(path: Path, key: str, value: object) -> torch.dtype:
-    if value not in DTYPES:
+    if not isinstance(value, str) or value not in DTYPES:
         raise MergeConfigError(f"{path}: {key} {value!r} is not one of {', '.join(DTYPES)}")
     return DTYPES[value]
 
@@ -134,6 +142,8 @@ def model_entries(path: Path, config: dict) -> list[tuple[Path, dict]]:
             )
         parameters = entry.get("parameters") or {}
         where = f"models[{index}] ({entry['model']})"
+        if not isinstance(parameters, dict):
+            raise MergeConfigError(f"{path}: {where}: 'parameters' must be a mapping")
         entries.append(
             (
                 Path(entry["model"]),
@@ -153,9 +163,7 @@ def per_model(
         value = parameters.get(name, shared.get(name, defaults.get(name)))
         if value is None:
             return None
-        if not isinstance(value, int | float) or isinstance(value, bool):
-            raise MergeConfigError(f"{path}: {model}: parameter {name!r} must be a number")
-        values.append(float(value))
+        values.append(number(path, f"{model}: parameter {name!r}", value))
     return values
 
 
@@ -185,6 +193,11 @@ def shared_method(path: Path, method: str, entries: list, shared: dict, base) ->
     ours, defaults = SHARED_METHODS[method]
     check_known(path, method, entries, shared, set(defaults) | {"weight"} | NO_EFFECT)
     settings = {key: shared.get(key, default) for key, default in defaults.items()}
+    for flag in ("normalize", "rescale"):
+        if flag in settings and not isinstance(settings[flag], bool):
+            raise MergeConfigError(
+                f"{path}: {flag} must be true or false, not {settings[flag]!r:.40}"
+            )
     weights = per_model(path, "weight", entries, shared, {})
     if weights is None:
         model = next(m for m, p in entries if "weight" not in p)
@@ -219,9 +232,14 @@ def shared_method(path: Path, method: str, entries: list, shared: dict, base) ->
         params["weights"] = tuple(w / total if settings["normalize"] else w for w in weights)
     if ours == "dare":
         params["rescale"] = "l1" if settings["rescale"] else "none"
-        params["seed"] = int(settings["seed"])
+        seed = settings["seed"]
+        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
+            raise MergeConfigError(
+                f"{path}: seed must be an integer in [0, 2**63), not {seed!r:.40}"
+            )
+        params["seed"] = seed
         params["consensus"] = method == "dare_ties"
-    return ours, params, float(settings["lambda"])
+    return ours, params, number(path, "lambda", settings["lambda"])
 
 
 def own_method(path: Path, method: str, entries: list, shared: dict) -> tuple:
@@ -247,7 +265,7 @@ def own_method(path: Path, method: str, entries: list, shared: dict) -> tuple:
         if "weights" not in fields:
             raise MergeConfigError(f"{path}: method {method!r} does not take per-model weights")
         params["weights"] = tuple(weights)
-    return method, params, float(shared.get("lambda", 1.0))
+    return method, params, number(path, "lambda", shared.get("lambda", 1.0))
 
 
 def load_merge_config(path: str | Path) -> ConfiguredMerge:
@@ -262,10 +280,13 @@ def load_merge_config(path: str | Path) -> ConfiguredMerge:
                 f"{path}: unknown key {key!r} (expected: {', '.join(sorted(TOP_LEVEL_KEYS))})"
             )
     method = config.get("merge_method")
-    if method not in SHARED_METHODS and method not in METHODS:
+    if not isinstance(method, str) or (method not in SHARED_METHODS and method not in METHODS):
         names = ", ".join([*SHARED_METHODS, *METHODS])
         raise MergeConfigError(f"{path}: merge_method {method!r} is not supported (use: {names})")
-    base = Path(config["base_model"]) if config.get("base_model") is not None else None
+    base_model = config.get("base_model")
+    if base_model is not None and not isinstance(base_model, str):
+        raise MergeConfigError(f"{path}: base_model must be a path, not {base_model!r:.40}")
+    base = Path(base_model) if base_model is not None else None
     entries = model_entries(path, config)
     if base is not None and method != "linear":
         entries = [(model, parameters) for model, parameters in entries if model != base]

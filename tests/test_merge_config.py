@@ -244,6 +244,47 @@ def test_unsupported_configs_are_one_line_errors(
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    ("edit", "fragments"),
+    [
+        (("parameters: {'weight': 1}", "parameters: [1]"), ["'parameters' must be a mapping"]),
+        (("dtype: float64", "dtype: [float32]"), ["dtype [", "is not one of"]),
+        (("merge_method: ties", "merge_method: [ta]"), ["merge_method ['ta']", "not supported"]),
+        (("base_model: ", "base_model: {model: x}\n#"), ["base_model must be a path"]),
+        (("parameters: {'weight': 1}", "parameters: {weight: .nan}"), ["must be a finite number"]),
+        (("parameters: {'weight': 1}", "parameters: {weight: yes}"), ["must be a finite number"]),
+        (("parameters: {'density': 0.5}", "parameters: {lambda: big}"), ["lambda", "'big'"]),
+        (("parameters: {'density': 0.5}", "parameters: {normalize: 'no'}"), ["normalize", "'no'"]),
+    ],
+)
+def test_config_values_of_the_wrong_type_are_one_line_errors(
+    family, tmp_path, capsys, edit, fragments
+):
+    """Every value of a hostile YAML gets a one-line error naming the file, never a
+    traceback: mappings where lists belong, lists where names belong, NaN, strings."""
+    config = write_config(tmp_path, family, "ties", [("ft1", {"weight": 1})], {"density": 0.5})
+    text = config.read_text()
+    assert edit[0] in text
+    config.write_text(text.replace(edit[0], edit[1], 1))
+    code, _, err = run_main(capsys, "merge", "--config", config, "-o", tmp_path / "out")
+    assert code == 2
+    assert_one_line_error(err, str(config), *fragments)
+    assert not (tmp_path / "out").exists()
+
+
+def test_dare_seed_out_of_range_and_method_parameters_of_the_wrong_type(family, tmp_path, capsys):
+    config = write_config(tmp_path, family, "dare_linear", [("ft1", {"weight": 1})], {"seed": 1e26})
+    code, _, err = run_main(capsys, "merge", "--config", config, "-o", tmp_path / "out")
+    assert code == 2
+    assert_one_line_error(err, str(config), "seed must be an integer in [0, 2**63)")
+    config = write_config(tmp_path, family, "ties", [("ft1", {})], {"density": "lots"}, base=True)
+    text = config.read_text().replace("merge_method: ties", "merge_method: iso-cts")
+    config.write_text(text.replace("'density': 'lots'", "'common_fraction': 'lots'"))
+    code, _, err = run_main(capsys, "merge", "--config", config, "-o", tmp_path / "out")
+    assert code == 2
+    assert_one_line_error(err, "common_fraction must be a number", "'lots'")
+
+
 def test_mergekit_keys_mloco_lacks_are_named(tmp_path):
     config = tmp_path / "merge.yml"
     config.write_text("merge_method: ties\nslices:\n  - sources: []\n")

@@ -94,4 +94,38 @@ def get_method(name: str, **params) -> MergeMethod:
     if unknown:
         takes = ", ".join(accepted) if accepted else "no parameters"
         raise ValueError(f"method {name!r} does not take {unknown[0]!r} (it takes: {takes})")
+    kinds = typing.get_type_hints(cls)
+    for key, value in params.items():
+        if not _is_a(value, kinds[key]):
+            raise ValueError(
+                f"method {name!r}: {key} must be {_describe(kinds[key])}, not {value!r:.40}"
+            )
     return cls(**params)
+
+
+def _is_a(value: object, kind) -> bool:
+    """Whether ``value`` fits the field type ``kind`` (bool is not a number here; a float field
+    takes an int)."""
+    origin, arguments = typing.get_origin(kind), typing.get_args(kind)
+    if origin in (typing.Union, types.UnionType):
+        return any(_is_a(value, argument) for argument in arguments)
+    if origin is tuple:
+        return isinstance(value, tuple) and all(_is_a(item, arguments[0]) for item in value)
+    if kind is type(None):
+        return value is None
+    if kind is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+def _describe(kind) -> str:
+    origin, arguments = typing.get_origin(kind), typing.get_args(kind)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(argument) for argument in arguments)
+    if origin is tuple:
+        return f"a tuple of {_describe(arguments[0]).removeprefix('a ').removeprefix('an ')}s"
+    if kind is type(None):
+        return "None"
+    return {bool: "true or false", **_KINDS}.get(kind, kind.__name__)
