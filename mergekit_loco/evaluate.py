@@ -18,13 +18,14 @@ from pathlib import Path
 
 import torch
 from rich.table import Table
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
 from mergekit_loco.compare.stats import Spread, spread
 from mergekit_loco.io import open_checkpoint
 from mergekit_loco.io.files import MAX_JSON_BYTES, read_limited, shown
-from mergekit_loco.io.hf import NO_REMOTE_CODE, check_hf_folder
+from mergekit_loco.io.hf import check_hf_folder
 from mergekit_loco.train.data import evaluate_loss, prepare_data
+from mergekit_loco.train.model import load_pretrained
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -53,32 +54,9 @@ class Evaluation:
 
 def load_model(path: str | Path, device: str | torch.device = "cpu") -> PreTrainedModel:
     """A causal LM from a Hugging Face folder or a ``.safetensors`` file with ``config.json``
-    beside it (sharded folders too), in float32, in eval mode."""
-    with open_checkpoint(path) as reader:
-        config_file = reader.config_dir / "config.json"
-        if not config_file.is_file():
-            raise ValueError(
-                f"{shown(path)}: no config.json beside the weights ({shown(reader.config_dir)})"
-            )
-        folder = check_hf_folder(reader.config_dir, "model")
-        config = AutoConfig.from_pretrained(folder, **NO_REMOTE_CODE)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        weights = {name: reader.get(name) for name in reader.names()}
-    result = model.load_state_dict(weights, strict=False)
-    tied = (
-        set(getattr(model, "_tied_weights_keys", None) or ())
-        if config.tie_word_embeddings
-        else set()
-    )
-    missing = [name for name in result.missing_keys if name not in tied]
-    if missing or result.unexpected_keys:
-        problem, verb = (
-            (missing[0], "missing") if missing else (result.unexpected_keys[0], "unexpected")
-        )
-        raise ValueError(f"{path}: tensor {problem!r} is {verb} for a {config.model_type} model")
-    if tied:
-        model.tie_weights()
-    return model.to(device=device, dtype=torch.float32).eval()
+    beside it (sharded folders too), in float32, in eval mode (checked as hostile input:
+    :func:`~mergekit_loco.train.model.load_pretrained`)."""
+    return load_pretrained(path).to(device=device, dtype=torch.float32).eval()
 
 
 def tokenizer_folder(model: str | Path, tokenizer: str | Path | None = None) -> Path:

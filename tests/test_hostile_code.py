@@ -4,6 +4,7 @@ never prompted for and never imported: ``train --tokenizer``, ``train --init``, 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -67,3 +68,28 @@ def test_auto_map_folders_are_refused_and_no_code_runs(capsys, tmp_path, corpus,
     assert not sentinel.exists()
     assert_not_read(opened, folder / "evil.py")
     assert snapshot(tmp_path) == before  # no run folder, no output
+
+
+@pytest.mark.parametrize(
+    ("change", "fragment"),
+    [
+        ({"hidden_size": 262144, "intermediate_size": 262144, "head_dim": 262144,
+          "num_attention_heads": 1, "num_key_value_heads": 1}, "in the weights but"),
+        ({"hidden_size": 64, "head_dim": 16}, "in the weights but [512, 64] by"),
+        ({"num_hidden_layers": 3}, "'model.layers.2."),
+        ({"num_hidden_layers": 1}, "'model.layers.1."),
+        ({"hidden_size": -32}, "not a model transformers can build"),
+        ({"num_hidden_layers": "2"}, "not a model transformers can build"),
+    ],
+)  # fmt: skip
+def test_a_model_config_that_does_not_describe_its_weights_is_one_line(
+    capsys, tmp_path, change, fragment
+):
+    """eval and --init build the config on the meta device and compare it with the weights
+    first: a config asking for 275 GB of parameters is refused at once, not allocated."""
+    folder = tmp_path / "model"
+    shutil.copytree(Path(__file__).parents[1] / "examples" / "tiny" / "base", folder)
+    config = json.loads((folder / "config.json").read_text()) | change
+    (folder / "config.json").write_text(json.dumps(config))
+    code, err, _ = run_cli(capsys, "eval", folder, "--data", "pydoc", "--tokens", "512")
+    assert_refused(code, err, fragment)

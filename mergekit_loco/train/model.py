@@ -155,3 +155,54 @@ def parameter_checksum(params: Mapping[str, torch.Tensor]) -> str:
 def count_parameters(model: torch.nn.Module) -> int:
     """Number of scalar parameters (embeddings and lm_head included)."""
     return sum(parameter.numel() for parameter in model.parameters())
+
+
+def load_pretrained(path: str | Path, what: str = "model") -> PreTrainedModel:
+    """The float32 causal LM of a Hugging Face folder or a ``.safetensors`` file with
+    ``config.json`` beside it, read as hostile input: the config is first built on the meta
+    device and its tensor names and shapes must be the weights' (so a config cannot make us
+    allocate more than the weights hold), and a config transformers cannot build is one error
+    naming the file."""
+    from mergekit_loco.io import open_checkpoint
+    from mergekit_loco.io.files import shown
+    from mergekit_loco.io.hf import NO_REMOTE_CODE, check_hf_folder
+
+    with open_checkpoint(path) as reader:
+        config_file = reader.config_dir / "config.json"
+        if not config_file.is_file():
+            raise ValueError(
+                f"{what} {shown(path)}: no config.json beside the weights "
+                f"({shown(reader.config_dir)})"
+            )
+        folder = check_hf_folder(reader.config_dir, what)
+        try:  # transformers raises all kinds of errors on a malformed config
+            config = AutoConfig.from_pretrained(folder, **NO_REMOTE_CODE)
+            with torch.device("meta"):
+                skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        except Exception as error:  # one line naming the file, whatever transformers raised
+            cause = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+            raise ValueError(
+                f"{shown(config_file)}: not a model transformers can build ({cause})"
+            ) from None
+        tied = set(getattr(skeleton, "_tied_weights_keys", None) or ())
+        tied = tied if config.tie_word_embeddings else set()
+        expected = {n: tuple(t.shape) for n, t in skeleton.state_dict().items() if n not in tied}
+        present = set(reader.names())
+        for name, shape in expected.items():
+            if name not in present:
+                raise ValueError(f"{what} {shown(path)}: tensor {name!r} is missing for a "
+                                 f"{config.model_type} model")  # fmt: skip
+            if tuple(reader.shape(name)) != shape:
+                raise ValueError(
+                    f"{what} {shown(path)}: tensor {name!r} is {list(reader.shape(name))} in the "
+                    f"weights but {list(shape)} by {shown(config_file)}"
+                )
+        unexpected = sorted(present - set(skeleton.state_dict()))
+        if unexpected:
+            raise ValueError(f"{what} {shown(path)}: tensor {unexpected[0]!r} is unexpected for "
+                             f"a {config.model_type} model")  # fmt: skip
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict({name: reader.get(name) for name in present}, strict=False)
+    if tied:
+        model.tie_weights()
+    return model.to(torch.float32)

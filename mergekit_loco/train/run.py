@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from mergekit_loco.io import open_checkpoint
 from mergekit_loco.io.atomic import write_atomically
@@ -38,6 +38,7 @@ from mergekit_loco.train.guards import check_data_left
 from mergekit_loco.train.model import (
     build_model,
     count_parameters,
+    load_pretrained,
     model_config,
     parameter_checksum,
 )
@@ -248,9 +249,7 @@ def load_model(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> torch
     init = Path(config.model.init)
     if (init / "config.json").is_file():
         check_hf_folder(init, "--init", weights=True)  # no auto_map, nothing leading outside
-        model = AutoModelForCausalLM.from_pretrained(
-            init, dtype=torch.float32, local_files_only=True, trust_remote_code=False
-        )
+        model = load_pretrained(init, "--init")  # config checked against the weights first
     else:
         model = build_model(model_spec, config.run.seed)
         with open_checkpoint(init) as reader:
