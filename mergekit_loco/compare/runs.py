@@ -8,6 +8,7 @@ that a report wrote from them (one row per run, no curves): :func:`load_runs` re
 from __future__ import annotations
 
 import csv
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +70,15 @@ def read_run_config(run_dir: Path) -> dict[str, Any]:
     return config
 
 
+def number_in(mapping: dict, key: str, where: str) -> float:
+    """``mapping[key]`` as a float; a missing or non-numeric entry is a ValueError naming
+    ``where`` (the file and event) and the key."""
+    value = mapping.get(key)
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise ValueError(f"{where}: {key!r} is {json.dumps(value)[:40]}, not a number")
+    return float(value)
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     """The events of the run's metrics file (a torn last line of a killed run is dropped)."""
     path = run_dir / run_layout.METRICS
@@ -102,19 +112,26 @@ def load_run(run_dir: Path) -> Run:
         )
     config = read_run_config(run_dir)
     events = read_metrics(run_dir)
-    tokens_per_round = config["inner_steps"] * config["global_batch"] * config["seq_len"]
+    where = shown(run_dir / run_layout.CONFIG)
+    tokens_per_round = math.prod(
+        int(number_in(config, key, where)) for key in ("inner_steps", "global_batch", "seq_len")
+    )
+    metrics = shown(run_dir / run_layout.METRICS)
     val_curve, train_curve = [], []
     for event in events:
-        kind, tokens = event.get("event"), event.get("round", 0) * tokens_per_round
+        kind = event.get("event")
+        if kind not in ("round", "eval", "final"):
+            continue
+        tokens = int(number_in(event, "round", f"{metrics}: a {kind} event")) * tokens_per_round
         if kind == "round" and event.get("train_loss") is not None:
-            train_curve.append((tokens, float(event["train_loss"])))
+            train_curve.append((tokens, number_in(event, "train_loss", f"{metrics}: round")))
         elif kind in ("eval", "final") and event.get("val_loss") is not None:
-            val_curve.append((tokens, float(event["val_loss"])))
+            val_curve.append((tokens, number_in(event, "val_loss", f"{metrics}: {kind}")))
     final = events[-1] if events and events[-1].get("event") == "final" else None
     if (run_dir / FAILED_FILE).exists():
         status, val_loss = "failed", math.inf
     elif final is not None:
-        status, val_loss = "finished", float(final["val_loss"])
+        status, val_loss = "finished", number_in(final, "val_loss", f"{metrics}: final event")
     else:
         status, val_loss = "unfinished", None
     tokens = (final or {}).get("tokens", config.get("tokens"))
