@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from mergekit_loco.io.atomic import OWNER_MARKER
+from mergekit_loco.io.atomic import OWNER_MARKER, mark_output
 from mergekit_loco.train import checkpoint as ckpt
 from mergekit_loco.train.checkpoint import (
     Checkpoint,
@@ -67,11 +67,14 @@ def test_layout_manifest_and_round_trip(tmp_path, group):
 
 def test_keeps_the_newest_two_and_no_staging_folders(tmp_path, group):
     (tmp_path / "checkpoints").mkdir()
-    (tmp_path / "checkpoints" / "round-000009.tmp-1234").mkdir()  # a crashed save
+    crashed = tmp_path / "checkpoints" / ".round-000009.tmp-1234"  # a crashed save of ours
+    crashed.mkdir()
+    mark_output(crashed, "checkpoint")
+    (tmp_path / "checkpoints" / "round-000009.tmp-1234").mkdir()  # not a name we write: kept
     for round_index in (1, 2, 3):
         save_checkpoint(tmp_path, make_state(round_index), group, keep=2)
     folders = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
-    assert folders == ["latest", "round-000002", "round-000003"]
+    assert folders == ["latest", "round-000002", "round-000003", "round-000009.tmp-1234"]
     assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "round-000003"
 
 

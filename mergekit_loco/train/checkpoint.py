@@ -16,6 +16,11 @@ renamed to ``round-XXXXXX/``, ``checkpoints/latest`` is pointed at it (temp file
 ``os.replace``) and all but the newest ``keep`` are deleted. A crash leaves at worst a ``.tmp-``
 folder, never a half-written checkpoint. Multi-node runs need ``OUT`` on a shared filesystem.
 
+Only what this tool wrote is ever deleted: an entry of ``checkpoints/`` named exactly
+``round-XXXXXX`` or ``.round-XXXXXX.tmp-XXXX`` and holding the ownership marker
+(:data:`~mergekit_loco.io.atomic.OWNER_MARKER`, written into the staging folder first thing).
+A ``checkpoints/`` that is a symlink or leads outside ``OUT`` is refused (:func:`checkpoints_root`).
+
 Only finite parameters are saved (:class:`NotFinite` otherwise), so a checkpoint is always a
 good one to resume from. Reading treats every file as hostile: ``latest`` must name a
 ``round-XXXXXX`` folder inside ``checkpoints/``, the manifest may list only checkpoint file
@@ -39,7 +44,13 @@ import torch
 from safetensors.torch import save_file
 
 from mergekit_loco.io import CheckpointError, open_checkpoint
-from mergekit_loco.io.atomic import staged_output, write_atomically
+from mergekit_loco.io.atomic import (
+    OutputRefused,
+    is_ours,
+    mark_output,
+    staged_output,
+    write_atomically,
+)
 from mergekit_loco.io.files import (
     MAX_JSON_BYTES,
     UnsafeInputError,
@@ -59,6 +70,8 @@ SHARED = "shared.pt"
 #: Names a checkpoint's manifest may list (anything else, e.g. ``../x``, is refused).
 FILE_NAME = re.compile(r"(state\.json|global\.safetensors|shared\.pt|(worker|rng-rank)-\d{4,}\.pt)")
 ROUND_NAME = re.compile(r"round-\d{6,}")
+#: The staging folder of a save (:func:`mergekit_loco.io.atomic.staged_output`'s name for it).
+STAGING_NAME = re.compile(r"\.round-\d{6,}\.tmp-\w+")
 
 
 def worker_file(index: int) -> str:
@@ -134,16 +147,17 @@ def save_checkpoint(out: str | Path, state: Checkpoint, group: WorkerGroup, keep
     Raises :class:`NotFinite` (on every rank, before anything is written) if the global
     parameters hold NaN or Inf.
     """
-    root = Path(out) / CHECKPOINTS
+    root = checkpoints_root(out)
     final = root / round_name(state.round)
     check_finite(state.global_params, f"round {state.round}")
     with ExitStack() as stack:
         staging = None
         if group.is_main:
             root.mkdir(parents=True, exist_ok=True)
-            for leftover in root.glob("*.tmp-*"):  # from crashed runs
+            for leftover in owned(root, STAGING_NAME):  # from crashed saves
                 shutil.rmtree(leftover, ignore_errors=True)
             staging = stack.enter_context(staged_output(final, "checkpoint", replace=True))
+            mark_output(staging, "checkpoint")  # a crash leaves a staging folder marked ours
         staging = Path(group.broadcast(str(staging)))
         group.barrier()
 
@@ -177,20 +191,39 @@ def save_checkpoint(out: str | Path, state: Checkpoint, group: WorkerGroup, keep
     return final
 
 
+def checkpoints_root(out: str | Path) -> Path:
+    """``OUT/checkpoints``; :class:`OutputRefused` naming it if it is a symlink or resolves
+    outside ``OUT`` (saving and pruning there would write and delete elsewhere)."""
+    root = Path(out) / CHECKPOINTS
+    if root.is_symlink() or not root.resolve().is_relative_to(Path(out).resolve()):
+        raise OutputRefused(
+            f"{shown(root)}: the checkpoints folder is a symlink or leads outside the run folder; "
+            "refused (make it a real folder inside the run folder)"
+        )
+    return root
+
+
+def owned(root: Path, name: re.Pattern) -> list[Path]:
+    """The real folders of ``root`` named exactly ``name`` that carry our ownership marker."""
+    return [p for p in root.iterdir() if name.fullmatch(p.name) and is_ours(p)]
+
+
 def prune(root: Path, keep: int, newest: str) -> None:
-    """Delete all but the ``keep`` highest-numbered checkpoints (never ``newest``)."""
-    rounds = sorted(p.name for p in root.glob("round-*") if p.is_dir() and ".tmp-" not in p.name)
-    for name in rounds[:-keep] if keep > 0 else rounds:
-        if name != newest:
-            shutil.rmtree(root / name, ignore_errors=True)
+    """Delete all but the ``keep`` highest-numbered checkpoints (never ``newest``); only
+    ``round-XXXXXX`` folders this tool wrote (:func:`owned`) are counted or deleted."""
+    rounds = sorted(owned(root, ROUND_NAME), key=lambda p: int(p.name.removeprefix("round-")))
+    for path in rounds[:-keep] if keep > 0 else rounds:
+        if path.name != newest:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def latest_checkpoint(out: str | Path) -> Path | None:
     """The checkpoint ``OUT/checkpoints/latest`` points to, or None if there is none.
 
-    The pointer must hold a ``round-XXXXXX`` name of a real folder inside ``checkpoints/``.
+    The pointer must hold a ``round-XXXXXX`` name of a real folder inside ``checkpoints/``,
+    itself a real folder inside ``OUT`` (:func:`checkpoints_root`).
     """
-    root = Path(out) / CHECKPOINTS
+    root = checkpoints_root(out)
     pointer = root / LATEST
     if not (pointer.exists() or pointer.is_symlink()):
         return None
@@ -265,8 +298,10 @@ def read_state(path: Path) -> dict:
     problem = None
     if not isinstance(state, dict):
         problem = "is not a JSON object"
-    elif not (type(state.get("round")) is int and state["round"] >= 0):
-        problem = 'has no "round" (a non-negative integer)'
+    elif not (type(state.get("round")) is int and state["round"] >= 1):
+        problem = 'has no "round" (a positive integer)'
+    elif ROUND_NAME.fullmatch(path.name) and path.name != round_name(state["round"]):
+        problem = f"says round {state['round']}, not that of its folder {path.name}"
     elif not (type(state.get("world_size")) is int and state["world_size"] >= 1):
         problem = 'has no "world_size" (a positive integer)'
     elif not isinstance(state.get("config"), dict):

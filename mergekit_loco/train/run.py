@@ -17,7 +17,9 @@ from mergekit_loco.methods import METHODS
 from mergekit_loco.run_layout import CONFIG, METRICS
 from mergekit_loco.train.checkpoint import (
     SHARED,
+    STATE,
     Checkpoint,
+    CheckpointCorrupt,
     load_checkpoint,
     reading,
     restore_rng_state,
@@ -113,6 +115,11 @@ class Run:
     def restore(self, path: Path) -> None:
         """Load this process's part of the checkpoint at ``path``."""
         saved = load_checkpoint(path, [w.index for w in self.workers], self.group.rank)
+        if saved.round > self.rounds:
+            raise CheckpointCorrupt(
+                f"checkpoint file {path / STATE} says round {saved.round}, beyond this run's "
+                f"{self.rounds} rounds"
+            )
         if set(saved.global_params) != set(self.global_params):
             raise ValueError(f"checkpoint {path} holds other tensors than the model")
         with reading(path / SHARED):  # a damaged file's error names it (never a bare KeyError)

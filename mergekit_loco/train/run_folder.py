@@ -20,6 +20,7 @@ from mergekit_loco.run_layout import (
 )
 from mergekit_loco.train.checkpoint import STATE, latest_checkpoint, read_state, reading
 from mergekit_loco.train.config import TrainConfig
+from mergekit_loco.train.sources import cache_root
 from mergekit_loco.train.workers import WorkerGroup
 
 
@@ -58,16 +59,18 @@ def run_inputs(config: TrainConfig) -> list[str]:
 
 
 def check_out_outside_inputs(out: Path, config: TrainConfig) -> None:
-    """Refuse an ``--out`` that is, or lies inside, an input folder: the run would write into
-    its own inputs (a ``metrics.jsonl`` in a data folder becomes data of the next run)."""
-    where = out.resolve()
-    for given in run_inputs(config):
-        source = Path(given).expanduser()
-        if source.is_dir() and where.is_relative_to(source.resolve()):
-            raise OutputRefused(
-                f"{shown(out)}: --out lies inside the input {shown(source)}; choose a run folder "
-                "outside the data, tokenizer and --init folders"
-            )
+    """Refuse an ``--out`` or a cache folder (``$MLOCO_CACHE``) that is, or lies inside, an input
+    folder: the run would write into its own inputs (a ``metrics.jsonl`` or a token cache in a
+    data folder becomes data of the next run)."""
+    for what, folder in (("--out", out), ("the cache folder ($MLOCO_CACHE)", cache_root())):
+        where = folder.resolve()
+        for given in run_inputs(config):
+            source = Path(given).expanduser()
+            if source.is_dir() and where.is_relative_to(source.resolve()):
+                raise OutputRefused(
+                    f"{shown(folder)}: {what} lies inside the input {shown(source)}; choose a "
+                    "folder outside the data, tokenizer and --init folders"
+                )
 
 
 def claim_output(out: Path, config: TrainConfig, group: WorkerGroup) -> None:

@@ -1,0 +1,144 @@
+"""Resuming into a hostile run folder: a ``checkpoints/`` symlinked elsewhere, user folders that
+merely look like checkpoints, a tampered ``state.json`` round, a cache inside the data. The run
+refuses with one line and exit 2, or deletes only what it wrote; the user's files survive."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import stdlib_corpus
+from hostile import TRAIN, assert_refused, run_cli, snapshot
+
+from mergekit_loco.cli import main
+from mergekit_loco.io.atomic import OWNER_MARKER, OutputRefused, mark_output
+from mergekit_loco.train.checkpoint import Checkpoint, save_checkpoint
+from mergekit_loco.train.workers import SimulatedWorkers
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    files = ["json/decoder.py", "json/encoder.py", "textwrap.py", "string.py"]
+    with stdlib_corpus(tmp_path_factory.mktemp("resume"), files) as folder:
+        yield folder
+
+
+@pytest.fixture(scope="module")
+def stopped(corpus, tmp_path_factory) -> Path:
+    """A run of 2 rounds stopped after round 1 with a checkpoint (copy before use)."""
+    out = tmp_path_factory.mktemp("stopped") / "run"
+    with pytest.raises(SystemExit) as exited:
+        main(["train", *TRAIN, f"--data={corpus}", f"--out={out}", "--checkpoint-every=1",
+              "--stop-after=1"])  # fmt: skip
+    assert exited.value.code in (0, None)
+    return out
+
+
+def user_folder(parent: Path, name: str) -> Path:
+    """A folder of the user's, with a file in it."""
+    (parent / name).mkdir(parents=True)
+    (parent / name / "notes.txt").write_text("mine\n")
+    return parent / name / "notes.txt"
+
+
+def test_resume_refuses_a_symlinked_checkpoints_folder(capsys, tmp_path, corpus, stopped):
+    run = tmp_path / "run"
+    shutil.copytree(stopped, run)
+    elsewhere = tmp_path / "elsewhere"
+    kept = [user_folder(elsewhere, "round-0-my-thesis"), user_folder(elsewhere, "backup.tmp-2024")]
+    for entry in (run / "checkpoints").iterdir():
+        shutil.move(entry, elsewhere / entry.name)
+    (run / "checkpoints").rmdir()
+    (run / "checkpoints").symlink_to("../elsewhere")
+    before = snapshot(tmp_path)
+    code, err, _ = run_cli(capsys, "train", *TRAIN, f"--data={corpus}", f"--out={run}", "--resume")
+    assert_refused(code, err, str(run / "checkpoints"), "is a symlink or leads outside")
+    assert all(file.read_text() == "mine\n" for file in kept)
+    assert snapshot(tmp_path) == before
+
+
+def test_save_refuses_a_symlinked_checkpoints_folder(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    kept = user_folder(elsewhere, "round-000001")
+    mark_output(kept.parent, "checkpoint")  # even a folder that looks like ours is left alone
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "checkpoints").symlink_to(elsewhere)
+    state = Checkpoint(round=3, config={}, global_params={"w": torch.ones(2)}, shared=None,
+                       workers={0: {"data": {"position": 0}}})  # fmt: skip
+    before = snapshot(elsewhere)
+    with pytest.raises(OutputRefused, match="checkpoints: the checkpoints folder is a symlink"):
+        save_checkpoint(tmp_path / "run", state, SimulatedWorkers(1, torch.device("cpu")), keep=0)
+    assert snapshot(elsewhere) == before
+
+
+def test_resume_deletes_only_checkpoint_folders_it_wrote(capsys, tmp_path, corpus, stopped):
+    run = tmp_path / "run"
+    shutil.copytree(stopped, run)
+    root = run / "checkpoints"
+    kept = [
+        user_folder(root, "round-000000x"),  # a name mloco never writes
+        user_folder(root, "round-000000"),  # mloco's name, but no ownership marker
+        user_folder(root, ".round-000001.tmp-user"),  # a staging name, no marker
+        user_folder(root, "backup.tmp-2024"),
+    ]
+    crashed = root / ".round-000005.tmp-abc123"  # a crashed save of ours: cleaned up
+    crashed.mkdir()
+    mark_output(crashed, "checkpoint")
+    code, err, _ = run_cli(capsys, "train", *TRAIN, f"--data={corpus}", f"--out={run}",
+                           "--resume", "--keep-checkpoints=1")  # fmt: skip
+    assert code in (0, None), err
+    assert all(file.read_text() == "mine\n" for file in kept)
+    assert not (root / OWNER_MARKER).exists()
+    assert not crashed.exists()
+    assert not (root / "round-000001").exists()  # pruned: ours, and older than the kept one
+    assert (root / "round-000002" / OWNER_MARKER).is_file()
+
+
+def tamper_round(run: Path, round_value: int, folder: str = "round-000001") -> Path:
+    """Write ``round_value`` into state.json, rehash the manifest, rename the folder to
+    ``folder`` and point ``latest`` at it, as a careful attacker would."""
+    checkpoint = run / "checkpoints" / "round-000001"
+    state = json.loads((checkpoint / "state.json").read_text())
+    state["round"] = round_value
+    (checkpoint / "state.json").write_text(json.dumps(state))
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    digest = hashlib.sha256((checkpoint / "state.json").read_bytes()).hexdigest()
+    manifest["files"]["state.json"] = digest
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+    checkpoint.rename(run / "checkpoints" / folder)
+    (run / "checkpoints" / "latest").write_text(folder + "\n")
+    return run / "checkpoints" / folder / "state.json"
+
+
+@pytest.mark.parametrize(("round_value", "folder", "fragment"), [
+    (0, "round-000001", 'has no "round" (a positive integer)'),
+    (7, "round-000001", "says round 7, not that of its folder round-000001"),
+    (10**20, "round-000001", "not that of its folder round-000001"),
+    (7, "round-000007", "says round 7, beyond this run's 2 rounds"),
+])  # fmt: skip
+def test_resume_refuses_a_round_outside_the_run(capsys, tmp_path, corpus, stopped, round_value,
+                                                folder, fragment):  # fmt: skip
+    run = tmp_path / "run"
+    shutil.copytree(stopped, run)
+    state = tamper_round(run, round_value, folder)
+    before = snapshot(tmp_path)
+    code, err, _ = run_cli(capsys, "train", *TRAIN, f"--data={corpus}", f"--out={run}", "--resume")
+    assert_refused(code, err, str(state), fragment)
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("inside", [".", ".cache"])
+def test_a_cache_folder_inside_the_data_is_refused(capsys, tmp_path, corpus, monkeypatch, inside):
+    data = tmp_path / "data"
+    shutil.copytree(corpus, data)
+    cache = (data / inside).resolve()
+    monkeypatch.setenv("MLOCO_CACHE", str(cache))
+    before = snapshot(tmp_path)
+    code, err, _ = run_cli(capsys, "train", *TRAIN, f"--data={data}", f"--out={tmp_path / 'run'}")
+    assert_refused(code, err, str(cache), "the cache folder ($MLOCO_CACHE) lies inside the input",
+                   str(data))  # fmt: skip
+    assert snapshot(tmp_path) == before
