@@ -15,9 +15,10 @@ from rich.console import Console
 
 from mergekit_loco import evaluate
 from mergekit_loco.compare.merge_report import EVALUATIONS, MergeRow, report_merges
-from mergekit_loco.io.atomic import claim_folder, write_atomically
+from mergekit_loco.io.atomic import check_results_folder, claim_folder, write_atomically
 from mergekit_loco.merge import merge_checkpoints
 from mergekit_loco.methods import get_method
+from mergekit_loco.train.sources import BUILTIN_SOURCES
 
 MERGED = "merged"
 DEFAULT_EVAL_SEQ_LEN = 128
@@ -50,10 +51,10 @@ def compare_merges(
 
     Existing merges are reused unless ``force``. ``seed`` is the data seed the fine-tunes were
     trained with (it decides the held-out documents); ``eval_tokens`` should not exceed their
-    ``val_tokens``.
+    ``val_tokens``. Every input is checked before ``out`` is created, and ``out`` must be new,
+    empty or written by mloco (:func:`mergekit_loco.io.atomic.check_results_folder`).
     """
     out = Path(out)
-    claim_folder(out, "compare merges")
     console = console or Console(quiet=True)
     seq_len = seq_len or DEFAULT_EVAL_SEQ_LEN
     if len(finetuned) != len(data):
@@ -71,6 +72,18 @@ def compare_merges(
         raise ValueError(f"--scales must be positive numbers, got {list(scales)}")
     if eval_tokens < 4 * seq_len:
         raise ValueError(f"--eval-tokens {eval_tokens} is too few for two halves of windows")
+    for option, path in [("--base", base)] + [("--finetuned", path) for path in finetuned]:
+        if not Path(path).expanduser().exists():
+            raise ValueError(f"{path}: no such checkpoint ({option})")
+    folder = evaluate.tokenizer_folder(base, tokenizer)
+    halves = {}
+    for domain in data:
+        ids = evaluate.held_out_tokens(domain, folder, eval_tokens, seed)
+        middle = ids.numel() // 2
+        halves[domain] = {"select": ids[:middle], "test": ids[middle:]}
+    inputs = {str(base), *map(str, finetuned), *data, tokenizer} - set(BUILTIN_SOURCES)
+    check_results_folder(out, inputs, (MERGED,))
+    claim_folder(out, "compare merges")
 
     models = {"base": (str(base), "base", None, None)}
     for path, domain in zip(finetuned, data, strict=True):
@@ -85,12 +98,6 @@ def compare_merges(
                                   progress=False)  # fmt: skip
             models[label] = (str(target), "merge", method, scale)
 
-    folder = evaluate.tokenizer_folder(base, tokenizer)
-    halves = {}
-    for domain in data:
-        ids = evaluate.held_out_tokens(domain, folder, eval_tokens, seed)
-        middle = ids.numel() // 2
-        halves[domain] = {"select": ids[:middle], "test": ids[middle:]}
     records = []
     for label, (path, kind, method, scale) in models.items():
         console.print(f"evaluating {label}")

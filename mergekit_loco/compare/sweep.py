@@ -27,10 +27,12 @@ from mergekit_loco import run_layout
 from mergekit_loco.compare.runs import BASELINE, FAILED_FILE, is_finished, load_run, read_run_config
 from mergekit_loco.compare.sweep_report import SummaryRow, report_sweep
 from mergekit_loco.compare.tables import format_number
-from mergekit_loco.io.atomic import claim_folder, write_atomically
+from mergekit_loco.io.atomic import check_results_folder, claim_folder, write_atomically
 from mergekit_loco.train.checkpoint import latest_checkpoint
 from mergekit_loco.train.config import TrainConfig, preset_config
 from mergekit_loco.train.loop import train
+from mergekit_loco.train.run_folder import run_inputs
+from mergekit_loco.train.sources import BUILTIN_SOURCES
 
 
 # -- planning ---------------------------------------------------------------------------------
@@ -242,9 +244,12 @@ def run_sweep(
     its own process with ``cpu_count / jobs`` threads), then write the report."""
     if jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
-    claim_folder(Path(out), "compare sweep")
     runs_dir = Path(out) / run_layout.SWEEP_RUNS
     cells = plan(sweep)
+    inputs = {path for cell in cells for path in
+              run_inputs(cell_config(sweep, cell, runs_dir / cell.name))}  # fmt: skip
+    check_results_folder(Path(out), inputs - set(BUILTIN_SOURCES), (run_layout.SWEEP_RUNS,))
+    claim_folder(Path(out), "compare sweep")
     console = console or Console(quiet=True)
     todo = []
     for cell in cells:

@@ -172,6 +172,38 @@ def check_output(
         )
 
 
+def check_results_folder(
+    out: Path, inputs: Iterable[str | Path | None], subfolders: Iterable[str] = ()
+) -> None:
+    """Refuse a results folder (``mloco compare -o``, resumed in place) unless it is new, empty
+    or ours (:func:`is_ours`; ``--force`` changes nothing here), is no symlink or file, does not
+    overlap an input, and no entry of it or of its ``subfolders`` is a symlink."""
+    source = overlapping_input(out, inputs)
+    if source is not None:
+        raise OutputRefused(
+            f"{shown(out)}: -o would overlap the input {shown(source)} (it is, holds or lies "
+            "inside it); choose another results folder"
+        )
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        what = "a symlink" if out.is_symlink() else "not a folder"
+        raise OutputRefused(f"{shown(out)}: -o is {what}; refused (choose another folder)")
+    if not out.exists():
+        return
+    if any(out.iterdir()) and not is_ours(out):
+        raise OutputRefused(
+            f"{shown(out)}: -o holds files mergekit_loco did not write (no {OWNER_MARKER}); "
+            "refused even with --force: choose a new or empty folder"
+        )
+    for folder in (out, *(out / name for name in subfolders)):
+        entries = sorted(folder.iterdir()) if folder.is_dir() else []
+        for entry in entries:
+            if entry.is_symlink():
+                raise OutputRefused(
+                    f"{shown(entry)}: is a symlink inside the results folder; refused (remove "
+                    "the link or choose another -o)"
+                )
+
+
 def remove_output(path: Path) -> None:
     """Delete a file or folder that :func:`check_output` allowed (a symlink only as a link)."""
     if path.is_dir() and not path.is_symlink():
