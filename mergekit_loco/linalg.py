@@ -94,3 +94,64 @@ def numerical_rank(singular: torch.Tensor, shape: torch.Size | tuple[int, int]) 
         return 0
     tolerance = max(shape) * torch.finfo(singular.dtype).eps * singular[0]
     return int((singular > tolerance).sum())
+
+
+#: ``truncated_svd`` and ``lean_polar_factor`` factor a matrix at least this many times taller
+#: than wide (or wider than tall) through a QR first, as LAPACK's own SVD does for such shapes.
+QR_FIRST_ASPECT = 2
+
+
+def truncated_svd(
+    matrix: torch.Tensor, rank: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-``rank`` factors of :func:`thin_svd`: ``(U_r: m x r, s_r: r, Vh_r: r x n)``, owned
+    (no view keeps the full ``U`` alive), float32 at least.
+
+    A tall matrix (``m >= 2 n``) is factored as ``M = Q R`` (Householder), ``R = U' s Vh``,
+    ``U_r = Q U'_r``: beside the input this holds Q and LAPACK's copy (about 1.6 x the input)
+    instead of the full ``U``, a copy and the divide-and-conquer workspace (about 3 x). A wide
+    one is factored through its transpose.
+    """
+    rows, cols = matrix.shape
+    if rows < QR_FIRST_ASPECT * cols:
+        if cols >= QR_FIRST_ASPECT * rows:
+            left, singular, right_h = truncated_svd(matrix.mT, rank)
+            return right_h.mT.contiguous(), singular, left.mT.contiguous()
+        left, singular, right_h = thin_svd(matrix)
+        return left[:, :rank].clone(), singular[:rank].clone(), right_h[:rank].clone()
+    compute = torch.promote_types(matrix.dtype, torch.float32)
+    orthonormal, triangular = torch.linalg.qr(matrix.to(compute))
+    left, singular, right_h = thin_svd(triangular)
+    return orthonormal @ left[:, :rank], singular[:rank].clone(), right_h[:rank].clone()
+
+
+def lean_polar_factor(matrix: torch.Tensor) -> torch.Tensor:
+    """:func:`polar_factor` of ``matrix`` holding less beside it: a tall matrix ``M = Q R`` has
+    ``polar(M) = Q polar(R)``, formed in Q's memory a block of rows at a time (about 1.6 x the
+    input at the peak instead of about 4 x); a wide one goes through its transpose."""
+    rows, cols = matrix.shape
+    if rows < QR_FIRST_ASPECT * cols:
+        if cols >= QR_FIRST_ASPECT * rows:
+            return lean_polar_factor(matrix.mT).mT
+        return polar_factor(matrix)
+    compute = torch.promote_types(matrix.dtype, torch.float32)
+    orthonormal, triangular = torch.linalg.qr(matrix.to(compute))
+    return times_in_place(orthonormal, polar_factor(triangular)).to(matrix.dtype)
+
+
+def times_in_place(matrix: torch.Tensor, square: torch.Tensor) -> torch.Tensor:
+    """``matrix @ square`` (``square``: n x n) written into ``matrix``, a block of rows at a
+    time, so the product needs no second m x n buffer; returns ``matrix``."""
+    block = max(1, (1 << 22) // matrix.shape[1])  # 4M entries per product
+    for start in range(0, matrix.shape[0], block):
+        rows_block = matrix[start : start + block]
+        rows_block.copy_(rows_block @ square)
+    return matrix
+
+
+def consuming_product(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """``left @ right``, written into ``left`` (which the caller gives up) when ``right`` is
+    square: :func:`times_in_place`; otherwise a new tensor."""
+    if right.shape[0] == right.shape[1]:
+        return times_in_place(left, right)
+    return left @ right

@@ -8,7 +8,13 @@ from dataclasses import dataclass
 
 import torch
 
-from mergekit_loco.linalg import newton_schulz, polar_factor, thin_svd
+from mergekit_loco.linalg import (
+    consuming_product,
+    lean_polar_factor,
+    newton_schulz,
+    thin_svd,
+    truncated_svd,
+)
 from mergekit_loco.methods.base import (
     MergeMethod,
     OfWorkerMean,
@@ -50,8 +56,7 @@ def split_subspaces(name: str, dim: int, tasks: int, common_fraction: float) -> 
 
 def common_subspace(summed: torch.Tensor, common: int) -> LowRank:
     """Top-``k`` thin-SVD factors of ``sum_t tau_t``: ``(U_k, s_k, Vh_k)``."""
-    left, singular, right_h = thin_svd(summed)
-    return left[:, :common], singular[:common], right_h[:common]
+    return truncated_svd(summed, common)
 
 
 def task_specific_factors(
@@ -63,19 +68,22 @@ def task_specific_factors(
     R^m (m <= n: ``U = [U_k, U_c]`` is square), and then the residual is ``U_c U_c^T tau``.
     """
     projected = basis @ (basis.mT @ delta)
-    residual = projected if complement else delta - projected
-    left, singular, right_h = thin_svd(residual)
-    return left[:, :per_task], singular[:per_task], right_h[:per_task]
+    residual = projected if complement else torch.sub(delta, projected, out=projected)
+    return truncated_svd(residual, per_task)
 
 
-def orthogonal_blocks(factors: Sequence[LowRank], spectral: str):
+def orthogonal_blocks(factors: list[LowRank], spectral: str):
     """``(mean(s), orth([U_blocks]) orth([Vh_blocks]))`` where orth is the polar factor (or its
-    Newton-Schulz approximation); the merged matrix is their product."""
-    orthogonalise = polar_factor if spectral == "exact" else newton_schulz
-    left = orthogonalise(torch.cat([u for u, _, _ in factors], dim=1))
+    Newton-Schulz approximation); the merged matrix is their product. Empties ``factors`` (each
+    block is freed once concatenated)."""
+    orthogonalise = lean_polar_factor if spectral == "exact" else newton_schulz
+    scale = torch.cat([s for _, s, _ in factors]).mean()
     right_h = orthogonalise(torch.cat([vh for _, _, vh in factors], dim=0))
-    singular = torch.cat([s for _, s, _ in factors])
-    return singular.mean(), left @ right_h
+    stacked = torch.cat([u for u, _, _ in factors], dim=1)
+    factors.clear()
+    left = orthogonalise(stacked)
+    del stacked
+    return scale, consuming_product(left, right_h)
 
 
 @dataclass(frozen=True)
@@ -107,16 +115,19 @@ class IsoCts(MergeMethod):
         common, per_task = split_subspaces(
             name, min(deltas[0].shape), len(deltas), self.common_fraction
         )
-        precise = in_svd_precision(deltas)
-        shared = common_subspace(sum_of(precise), common)
-        specific = [task_specific_factors(d, shared[0], per_task) for d in precise]
-        return orthogonal_blocks([*specific, shared], self.spectral)
+        compute = torch.promote_types(deltas[0].dtype, torch.float32)
+        shared = common_subspace(sum_of(delta.to(compute) for delta in deltas), common)
+        # one delta in float32 at a time; only its top factors outlive its residual's SVD
+        blocks = [task_specific_factors(delta.to(compute), shared[0], per_task) for delta in deltas]
+        blocks.append(shared)
+        del shared
+        return orthogonal_blocks(blocks, self.spectral)
 
     def merge_tensor(self, name: str, deltas: Sequence[torch.Tensor]) -> torch.Tensor:
         if not is_matrix(deltas[0]):
             return mean_of(deltas)
         scale, orthogonal = self.parts(name, deltas)
-        return (scale * orthogonal).to(deltas[0].dtype)
+        return orthogonal.mul_(scale).to(deltas[0].dtype)
 
     def as_aggregator(self, round_index: int, workers: int) -> MergeMethod:
         """DiLoCo: Iso-CTS of ``tau_t / R`` on matrices, as the seed paper."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mergekit_loco.linalg import polar_factor, thin_svd
+from mergekit_loco.linalg import consuming_product, lean_polar_factor, truncated_svd
 from mergekit_loco.methods.base import MergeMethod, in_svd_precision, is_matrix, mean_of
 from mergekit_loco.methods.plan import (
     Collectives,
@@ -24,22 +24,25 @@ from mergekit_loco.task_vector import TaskVector
 LowRank = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def truncated_factors(delta: torch.Tensor, rank: int) -> LowRank:
-    """Top-``rank`` thin-SVD factors ``(U_r: m x r, s_r: r, Vh_r: r x n)`` of ``delta``."""
-    left, singular, right_h = thin_svd(delta)
-    return left[:, :rank], singular[:rank], right_h[:rank]
-
-
-def orthogonalised_sum(factors: Sequence[LowRank]) -> torch.Tensor:
-    """``polar([U_1 .. U_T]) diag([s_1 .. s_T]) polar([Vh_1; ..; Vh_T])``.
+def orthogonalised_sum(factors: list[LowRank]) -> torch.Tensor:
+    """``polar([U_1 .. U_T]) diag([s_1 .. s_T]) polar([Vh_1; ..; Vh_T])``; empties ``factors``
+    (each block is freed once concatenated).
 
     Concatenating the blocks equals placing them in zero-filled ``m x d`` / ``d x n`` matrices:
     zero columns meet zero singular values.
     """
-    left = polar_factor(torch.cat([u for u, _, _ in factors], dim=1))
-    right_h = polar_factor(torch.cat([vh for _, _, vh in factors], dim=0))
-    singular = torch.cat([s for _, s, _ in factors])
-    return (left * singular) @ right_h
+    lefts, singulars, right_hs = (list(blocks) for blocks in zip(*factors, strict=True))
+    factors.clear()
+    singular = torch.cat(singulars)
+    right_h = concatenated_polar(right_hs, dim=0)
+    return consuming_product(concatenated_polar(lefts, dim=1).mul_(singular), right_h)
+
+
+def concatenated_polar(blocks: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """``polar(cat(blocks, dim))``, emptying ``blocks`` before the factorisation."""
+    stacked = torch.cat(blocks, dim=dim)
+    blocks.clear()
+    return lean_polar_factor(stacked)
 
 
 def tsv_rank(name: str, shape: torch.Size, tasks: int) -> int:
@@ -75,7 +78,8 @@ class Tsv(MergeMethod):
         if not is_matrix(deltas[0]):
             return mean_of(deltas)
         rank = tsv_rank(name, deltas[0].shape, len(deltas))
-        factors = [truncated_factors(d, rank) for d in in_svd_precision(deltas)]
+        # one delta in float32 at a time; only its top-r factors outlive its SVD
+        factors = [truncated_svd(delta, rank) for delta in deltas]
         return orthogonalised_sum(factors).to(deltas[0].dtype)
 
     def plans(self) -> Sequence[Plan]:
@@ -98,7 +102,7 @@ class Tsv(MergeMethod):
                 continue
             rank = tsv_rank(name, deltas[0].shape, workers)
             with comm.spectral():
-                factors = [truncated_factors(delta, rank) for delta in in_svd_precision(deltas)]
+                factors = [truncated_svd(delta, rank) for delta in in_svd_precision(deltas)]
             parcels.append([tensor for triple in factors for tensor in triple])
         merged = []
         for name, copies in zip(names, comm.to_owners(parcels, owners), strict=True):
