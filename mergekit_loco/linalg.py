@@ -5,7 +5,9 @@ Every function takes and returns plain tensors (a matrix is ``m x n``, ``d = min
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+from scipy.linalg import get_lapack_funcs
 
 # Quintic Newton-Schulz coefficients (a, b, c) of Muon: p(x) = a x + b x^3 + c x^5.
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -101,41 +103,78 @@ def numerical_rank(singular: torch.Tensor, shape: torch.Size | tuple[int, int]) 
 QR_FIRST_ASPECT = 2
 
 
+def householder_qr(
+    matrix: torch.Tensor, overwrite: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``matrix = Q R`` for ``m >= n``: ``(Q: m x n, R: n x n upper triangular)``, float32 at
+    least.
+
+    On CPU, LAPACK's geqrf and orgqr run in one column-major buffer, so Q is the only m x n
+    memory this needs: a copy of ``matrix``, or with ``overwrite`` the matrix's own memory when
+    it is column-major (``matrix.mT`` contiguous) in the compute dtype (its values are lost).
+    Q is returned column-major. Other devices: ``torch.linalg.qr``.
+    """
+    compute = torch.promote_types(matrix.dtype, torch.float32)
+    if matrix.device.type != "cpu":
+        return torch.linalg.qr(matrix.to(compute))
+    rows, cols = matrix.shape
+    owned = overwrite and matrix.dtype == compute and matrix.mT.is_contiguous()
+    columns = matrix.mT if owned else torch.empty((cols, rows), dtype=compute).copy_(matrix.mT)
+    array = columns.detach().numpy().T  # Fortran order, sharing the memory
+    geqrf, orgqr = get_lapack_funcs(("geqrf", "orgqr"), (array,))
+    workspace = max(1, 64 * cols)
+    factored, tau, _, info = geqrf(array, lwork=workspace, overwrite_a=True)
+    if info == 0:
+        triangular = torch.from_numpy(np.triu(factored[:cols]))
+        orthonormal, _, info = orgqr(factored, tau, lwork=workspace, overwrite_a=True)
+    if info != 0:
+        raise torch.linalg.LinAlgError(f"LAPACK QR of a {rows} x {cols} matrix: info = {info}")
+    return torch.from_numpy(orthonormal), triangular
+
+
+def qr_layout(matrix: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A copy of ``matrix`` in ``dtype`` laid out as :func:`householder_qr` overwrites it:
+    column-major if ``m >= n``, row-major otherwise (the QR then runs on the transpose)."""
+    rows, cols = matrix.shape
+    if rows >= cols:
+        return torch.empty((cols, rows), dtype=dtype, device=matrix.device).copy_(matrix.mT).mT
+    return torch.empty((rows, cols), dtype=dtype, device=matrix.device).copy_(matrix)
+
+
 def truncated_svd(
-    matrix: torch.Tensor, rank: int
+    matrix: torch.Tensor, rank: int, overwrite: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Top-``rank`` factors of :func:`thin_svd`: ``(U_r: m x r, s_r: r, Vh_r: r x n)``, owned
     (no view keeps the full ``U`` alive), float32 at least.
 
-    A tall matrix (``m >= 2 n``) is factored as ``M = Q R`` (Householder), ``R = U' s Vh``,
-    ``U_r = Q U'_r``: beside the input this holds Q and LAPACK's copy (about 1.6 x the input)
-    instead of the full ``U``, a copy and the divide-and-conquer workspace (about 3 x). A wide
-    one is factored through its transpose.
+    A tall matrix (``m >= 2 n``) is factored as ``M = Q R`` (:func:`householder_qr`),
+    ``R = U' s Vh``, ``U_r = Q U'_r``: beside the input this holds one m x n buffer (none with
+    ``overwrite``, see there) instead of the full ``U``, a copy and the divide-and-conquer
+    workspace (about 3 x the input). A wide one is factored through its transpose.
     """
     rows, cols = matrix.shape
     if rows < QR_FIRST_ASPECT * cols:
         if cols >= QR_FIRST_ASPECT * rows:
-            left, singular, right_h = truncated_svd(matrix.mT, rank)
+            left, singular, right_h = truncated_svd(matrix.mT, rank, overwrite)
             return right_h.mT.contiguous(), singular, left.mT.contiguous()
         left, singular, right_h = thin_svd(matrix)
         return left[:, :rank].clone(), singular[:rank].clone(), right_h[:rank].clone()
-    compute = torch.promote_types(matrix.dtype, torch.float32)
-    orthonormal, triangular = torch.linalg.qr(matrix.to(compute))
+    orthonormal, triangular = householder_qr(matrix, overwrite)
     left, singular, right_h = thin_svd(triangular)
     return orthonormal @ left[:, :rank], singular[:rank].clone(), right_h[:rank].clone()
 
 
-def lean_polar_factor(matrix: torch.Tensor) -> torch.Tensor:
+def lean_polar_factor(matrix: torch.Tensor, overwrite: bool = False) -> torch.Tensor:
     """:func:`polar_factor` of ``matrix`` holding less beside it: a tall matrix ``M = Q R`` has
-    ``polar(M) = Q polar(R)``, formed in Q's memory a block of rows at a time (about 1.6 x the
-    input at the peak instead of about 4 x); a wide one goes through its transpose."""
+    ``polar(M) = Q polar(R)``, formed in Q's memory (:func:`householder_qr`; with
+    ``overwrite``, ``matrix``'s own) a block of rows at a time, so about 1 x the input at the
+    peak instead of about 4 x; a wide one goes through its transpose."""
     rows, cols = matrix.shape
     if rows < QR_FIRST_ASPECT * cols:
         if cols >= QR_FIRST_ASPECT * rows:
-            return lean_polar_factor(matrix.mT).mT
+            return lean_polar_factor(matrix.mT, overwrite).mT
         return polar_factor(matrix)
-    compute = torch.promote_types(matrix.dtype, torch.float32)
-    orthonormal, triangular = torch.linalg.qr(matrix.to(compute))
+    orthonormal, triangular = householder_qr(matrix, overwrite)
     return times_in_place(orthonormal, polar_factor(triangular)).to(matrix.dtype)
 
 
@@ -155,3 +194,21 @@ def consuming_product(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     if right.shape[0] == right.shape[1]:
         return times_in_place(left, right)
     return left @ right
+
+
+def polar_of_blocks(blocks: list[torch.Tensor], dim: int, orthogonalise=None):
+    """``orthogonalise(cat(blocks, dim))`` (default: :func:`lean_polar_factor`, working in the
+    concatenation's memory), emptying ``blocks`` before the factorisation so that each block is
+    freed once concatenated."""
+    if orthogonalise is None:  # the tall orientation column-major, for the QR to overwrite
+        shape = list(blocks[0].shape)
+        shape[dim] = sum(block.shape[dim] for block in blocks)
+        if shape[0] >= shape[1]:
+            stacked = torch.cat([block.mT for block in blocks], dim=1 - dim).mT
+        else:
+            stacked = torch.cat(blocks, dim=dim)
+        blocks.clear()
+        return lean_polar_factor(stacked, overwrite=True)
+    stacked = torch.cat(blocks, dim=dim)
+    blocks.clear()
+    return orthogonalise(stacked)

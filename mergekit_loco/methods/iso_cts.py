@@ -10,8 +10,9 @@ import torch
 
 from mergekit_loco.linalg import (
     consuming_product,
-    lean_polar_factor,
     newton_schulz,
+    polar_of_blocks,
+    qr_layout,
     thin_svd,
     truncated_svd,
 )
@@ -22,7 +23,6 @@ from mergekit_loco.methods.base import (
     in_svd_precision,
     is_matrix,
     mean_of,
-    sum_of,
 )
 from mergekit_loco.methods.iso import check_spectral
 from mergekit_loco.methods.isometry import compact, compact_length, expand
@@ -54,9 +54,10 @@ def split_subspaces(name: str, dim: int, tasks: int, common_fraction: float) -> 
     return common, task_specific_total // tasks
 
 
-def common_subspace(summed: torch.Tensor, common: int) -> LowRank:
-    """Top-``k`` thin-SVD factors of ``sum_t tau_t``: ``(U_k, s_k, Vh_k)``."""
-    return truncated_svd(summed, common)
+def common_subspace(summed: torch.Tensor, common: int, overwrite: bool = False) -> LowRank:
+    """Top-``k`` thin-SVD factors of ``sum_t tau_t``: ``(U_k, s_k, Vh_k)``; ``overwrite``: the
+    factorisation may use ``summed``'s memory (see :func:`~mergekit_loco.linalg.qr_layout`)."""
+    return truncated_svd(summed, common, overwrite)
 
 
 def task_specific_factors(
@@ -67,23 +68,26 @@ def task_specific_factors(
     ``basis`` is ``U_k``, or with ``complement`` an orthonormal basis ``U_c`` of the rest of
     R^m (m <= n: ``U = [U_k, U_c]`` is square), and then the residual is ``U_c U_c^T tau``.
     """
-    projected = basis @ (basis.mT @ delta)
+    coefficients = basis.mT @ delta
+    if delta.shape[0] >= delta.shape[1]:  # column-major, for the QR to overwrite (qr_layout)
+        projected = (coefficients.mT @ basis.mT).mT
+    else:
+        projected = basis @ coefficients
     residual = projected if complement else torch.sub(delta, projected, out=projected)
-    return truncated_svd(residual, per_task)
+    return truncated_svd(residual, per_task, overwrite=True)
 
 
 def orthogonal_blocks(factors: list[LowRank], spectral: str):
     """``(mean(s), orth([U_blocks]) orth([Vh_blocks]))`` where orth is the polar factor (or its
     Newton-Schulz approximation); the merged matrix is their product. Empties ``factors`` (each
     block is freed once concatenated)."""
-    orthogonalise = lean_polar_factor if spectral == "exact" else newton_schulz
-    scale = torch.cat([s for _, s, _ in factors]).mean()
-    right_h = orthogonalise(torch.cat([vh for _, _, vh in factors], dim=0))
-    stacked = torch.cat([u for u, _, _ in factors], dim=1)
+    orthogonalise = None if spectral == "exact" else newton_schulz  # None: the polar factor
+    lefts, singulars, right_hs = (list(blocks) for blocks in zip(*factors, strict=True))
     factors.clear()
-    left = orthogonalise(stacked)
-    del stacked
-    return scale, consuming_product(left, right_h)
+    right_h = polar_of_blocks(right_hs, 0, orthogonalise)
+    return torch.cat(singulars).mean(), consuming_product(
+        polar_of_blocks(lefts, 1, orthogonalise), right_h
+    )
 
 
 @dataclass(frozen=True)
@@ -116,7 +120,11 @@ class IsoCts(MergeMethod):
             name, min(deltas[0].shape), len(deltas), self.common_fraction
         )
         compute = torch.promote_types(deltas[0].dtype, torch.float32)
-        shared = common_subspace(sum_of(delta.to(compute) for delta in deltas), common)
+        summed = qr_layout(deltas[0], compute)
+        for delta in deltas[1:]:
+            summed += delta
+        shared = common_subspace(summed, common, overwrite=True)
+        del summed
         # one delta in float32 at a time; only its top factors outlive its residual's SVD
         blocks = [task_specific_factors(delta.to(compute), shared[0], per_task) for delta in deltas]
         blocks.append(shared)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mergekit_loco.linalg import consuming_product, lean_polar_factor, truncated_svd
+from mergekit_loco.linalg import consuming_product, polar_of_blocks, truncated_svd
 from mergekit_loco.methods.base import MergeMethod, in_svd_precision, is_matrix, mean_of
 from mergekit_loco.methods.plan import (
     Collectives,
@@ -34,15 +34,8 @@ def orthogonalised_sum(factors: list[LowRank]) -> torch.Tensor:
     lefts, singulars, right_hs = (list(blocks) for blocks in zip(*factors, strict=True))
     factors.clear()
     singular = torch.cat(singulars)
-    right_h = concatenated_polar(right_hs, dim=0)
-    return consuming_product(concatenated_polar(lefts, dim=1).mul_(singular), right_h)
-
-
-def concatenated_polar(blocks: list[torch.Tensor], dim: int) -> torch.Tensor:
-    """``polar(cat(blocks, dim))``, emptying ``blocks`` before the factorisation."""
-    stacked = torch.cat(blocks, dim=dim)
-    blocks.clear()
-    return lean_polar_factor(stacked)
+    right_h = polar_of_blocks(right_hs, dim=0)
+    return consuming_product(polar_of_blocks(lefts, dim=1).mul_(singular), right_h)
 
 
 def tsv_rank(name: str, shape: torch.Size, tasks: int) -> int:
