@@ -133,6 +133,10 @@ def merge_one(
     out_dtype = out_dtype or base_tensor.dtype
     # Deltas are formed against the base in the compute dtype: mixed-dtype kernels are slow.
     base_on_device = base_tensor.to(device=device, dtype=compute_dtype)
+    # A method given all T deltas holds them while it runs: the base meanwhile stays in its
+    # (narrower) input dtype, converted again to finish.
+    narrower = base_tensor.dtype.itemsize < compute_dtype.itemsize and not method.is_sum()
+    base_input = base_tensor if narrower else None
     del base_tensor
     rows = base_on_device.shape[0] if base_on_device.ndim else 0
     if all(isinstance(item, LowRankDelta) for item in inputs) and from_factors(method):
@@ -167,8 +171,12 @@ def merge_one(
     if summing:
         merged = method.finish(name, total, index + 1).to(compute_dtype)
     else:
+        if base_input is not None:
+            del base_on_device
         merged = method.merge_tensor(name, deltas)
-    del deltas, total
+        if base_input is not None:
+            base_on_device = base_input.to(device=device, dtype=compute_dtype)
+    del deltas, total, base_input
     return finish_one(name, method, base_on_device, merged, scale, appended, out_dtype)
 
 
