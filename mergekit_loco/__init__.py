@@ -6,8 +6,9 @@ load torch: ``mloco --help`` starts in a fraction of a second.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from mergekit_loco.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from mergekit_loco.merge import MergeSummary, MissingBaseError, merge_checkpoints
@@ -42,13 +43,4 @@ __all__ = [
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str):
-    if name not in _HOMES:
-        raise AttributeError(f"module 'mergekit_loco' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_HOMES[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*__all__, "__version__"])
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES)

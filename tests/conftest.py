@@ -30,3 +30,19 @@ def stdlib_corpus(root: Path, files: Sequence[str], **env: str) -> Iterator[str]
             patch.setenv(name, value)
         yield str(root / "corpus")
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def stopped(corpus, tmp_path_factory) -> Path:
+    """A run of 2 rounds on the test module's ``corpus`` stopped after round 1 with a
+    checkpoint (copy before use)."""
+    from hostile import TRAIN
+
+    from mergekit_loco.cli import main
+
+    out = tmp_path_factory.mktemp("stopped") / "run"
+    with pytest.raises(SystemExit) as exited:
+        main(["train", *TRAIN, f"--data={corpus}", f"--out={out}", "--checkpoint-every=1",
+              "--stop-after=1"])  # fmt: skip
+    assert exited.value.code in (0, None)
+    return out

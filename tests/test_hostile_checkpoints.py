@@ -17,7 +17,6 @@ from conftest import stdlib_corpus
 from hostile import TRAIN, assert_not_read, assert_refused, run_cli, snapshot
 from safetensors.torch import load_file, save_file
 
-from mergekit_loco.cli import main
 from mergekit_loco.train.checkpoint import Checkpoint, NotFinite, save_checkpoint
 from mergekit_loco.train.workers import SimulatedWorkers
 
@@ -29,17 +28,6 @@ def corpus(tmp_path_factory):
     files = ["json/decoder.py", "json/encoder.py", "textwrap.py", "string.py"]
     with stdlib_corpus(tmp_path_factory.mktemp("ckpt"), files) as folder:
         yield folder
-
-
-@pytest.fixture(scope="module")
-def stopped(corpus, tmp_path_factory) -> Path:
-    """A run stopped after round 1 of 2 with a checkpoint (copy before use)."""
-    out = tmp_path_factory.mktemp("stopped") / "run"
-    with pytest.raises(SystemExit) as exited:
-        main(["train", *TRAIN, f"--data={corpus}", f"--out={out}", "--checkpoint-every=1",
-              "--stop-after=1"])  # fmt: skip
-    assert exited.value.code in (0, None)
-    return out
 
 
 class Evil:

@@ -14,7 +14,6 @@ import torch
 from conftest import stdlib_corpus
 from hostile import TRAIN, assert_refused, run_cli, snapshot
 
-from mergekit_loco.cli import main
 from mergekit_loco.io.atomic import OWNER_MARKER, OutputRefused, mark_output
 from mergekit_loco.train.checkpoint import Checkpoint, save_checkpoint
 from mergekit_loco.train.workers import SimulatedWorkers
@@ -25,17 +24,6 @@ def corpus(tmp_path_factory):
     files = ["json/decoder.py", "json/encoder.py", "textwrap.py", "string.py"]
     with stdlib_corpus(tmp_path_factory.mktemp("resume"), files) as folder:
         yield folder
-
-
-@pytest.fixture(scope="module")
-def stopped(corpus, tmp_path_factory) -> Path:
-    """A run of 2 rounds stopped after round 1 with a checkpoint (copy before use)."""
-    out = tmp_path_factory.mktemp("stopped") / "run"
-    with pytest.raises(SystemExit) as exited:
-        main(["train", *TRAIN, f"--data={corpus}", f"--out={out}", "--checkpoint-every=1",
-              "--stop-after=1"])  # fmt: skip
-    assert exited.value.code in (0, None)
-    return out
 
 
 def user_folder(parent: Path, name: str) -> Path:

@@ -6,8 +6,9 @@ so its light modules (``io.files``, ``io.atomic``) load without torch, as ``mloc
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from mergekit_loco.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from mergekit_loco.io.atomic import OutputExistsError, OutputRefused
@@ -35,13 +36,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    if name not in _HOMES:
-        raise AttributeError(f"module 'mergekit_loco.io' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_HOMES[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_HOMES])
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES)

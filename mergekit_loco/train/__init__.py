@@ -6,8 +6,9 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from mergekit_loco.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from mergekit_loco.train.diloco import DiLoCo
@@ -18,13 +19,4 @@ _HOMES = {"DiLoCo": "mergekit_loco.train.diloco", "OuterOptimizer": "mergekit_lo
 __all__ = ["DiLoCo", "OuterOptimizer"]
 
 
-def __getattr__(name: str):
-    if name not in _HOMES:
-        raise AttributeError(f"module 'mergekit_loco.train' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_HOMES[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES)
