@@ -62,6 +62,15 @@ class MergeMethod:
         """The method's own distributed plans (see :mod:`mergekit_loco.methods.plan`)."""
         return ()
 
+    def weighted(self, term: torch.Tensor, worker_index: int, owned: bool = False) -> torch.Tensor:
+        """``w_t * term`` for task ``worker_index`` of a method with a ``weights`` field (the
+        term itself when unweighted); multiplied in place when the caller ``owned`` it."""
+        weights = getattr(self, "weights", None)
+        if weights is None:
+            return term
+        weight = per_task(self.name, "weights", weights, worker_index)
+        return term.mul_(weight) if owned else term * weight
+
     def check_shapes(self, shapes: Mapping[str, Sequence[int]], tasks: int) -> None:
         """Raise ``ValueError`` naming the tensor if merging ``tasks`` deltas of these shapes
         must fail on a shape (checked before any compute). Default: every shape works."""

@@ -60,9 +60,7 @@ class Breadcrumbs(MergeMethod):
         density = per_task(self.name, "density", self.density, worker_index)
         gamma = per_task(self.name, "gamma", self.gamma, worker_index)
         band = keep_magnitude_band(delta, density, gamma)
-        if self.weights is None:
-            return band
-        return band.mul_(per_task(self.name, "weights", self.weights, worker_index))
+        return self.weighted(band, worker_index, owned=True)
 
     def finish(self, name: str, total: torch.Tensor, workers: int) -> torch.Tensor:
         if task_weights(self.name, self.weights, workers) is None:

@@ -82,9 +82,7 @@ class Dare(MergeMethod):
 
     def local_term(self, name: str, delta: torch.Tensor, worker_index: int) -> torch.Tensor:
         dropped = self.drop(name, delta, worker_index)
-        if self.weights is None:
-            return dropped
-        return dropped.mul_(per_task(self.name, "weights", self.weights, worker_index))
+        return self.weighted(dropped, worker_index, owned=True)
 
     def finish(self, name: str, total: torch.Tensor, workers: int) -> torch.Tensor:
         if task_weights(self.name, self.weights, workers) is None:

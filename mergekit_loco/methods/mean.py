@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mergekit_loco.methods.base import MergeMethod, per_task, task_weights
+from mergekit_loco.methods.base import MergeMethod, task_weights
 
 
 @dataclass(frozen=True)
@@ -23,9 +23,7 @@ class Mean(MergeMethod):
     weights: tuple[float, ...] | None = None
 
     def local_term(self, name: str, delta: torch.Tensor, worker_index: int) -> torch.Tensor:
-        if self.weights is None:
-            return delta
-        return delta * per_task(self.name, "weights", self.weights, worker_index)
+        return self.weighted(delta, worker_index)
 
     def finish(self, name: str, total: torch.Tensor, workers: int) -> torch.Tensor:
         weights = task_weights(self.name, self.weights, workers)
