@@ -12,7 +12,6 @@ from transformers import PreTrainedTokenizerBase
 
 from mergekit_loco.io import open_checkpoint
 from mergekit_loco.io.atomic import write_atomically
-from mergekit_loco.io.hf import check_hf_folder
 from mergekit_loco.methods import METHODS
 from mergekit_loco.run_layout import CONFIG, METRICS
 from mergekit_loco.train.checkpoint import (
@@ -255,7 +254,6 @@ def load_model(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> torch
         return build_model(model_spec, config.run.seed)
     init = Path(config.model.init)
     if (init / "config.json").is_file():
-        check_hf_folder(init, "--init", weights=True)  # no auto_map, nothing leading outside
         model = load_pretrained(init, "--init")  # config checked against the weights first
     else:
         model = build_model(model_spec, config.run.seed)
