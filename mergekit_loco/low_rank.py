@@ -34,7 +34,7 @@ from mergekit_loco.io.lora import (
 )
 from mergekit_loco.linalg import numerical_rank, thin_svd
 from mergekit_loco.methods import MergeMethod
-from mergekit_loco.methods.base import task_weights
+from mergekit_loco.methods.base import is_matrix_shape, task_weights
 from mergekit_loco.methods.iso import IsoC
 from mergekit_loco.methods.mean import Mean
 from mergekit_loco.methods.ta import TaskArithmetic
@@ -105,7 +105,7 @@ def merge_from_factors(
     left, right = stacked
     if not isinstance(method, IsoC):
         return left @ right
-    if len(shape) != 2:
+    if not is_matrix_shape(shape):
         return (left @ right) / count  # Iso-C takes the mean of non-matrix tensors
     precise = torch.promote_types(dtype, torch.float32)
     u, singular, vh = low_rank_svd(left.to(precise), right.to(precise))

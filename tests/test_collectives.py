@@ -253,6 +253,34 @@ def test_every_method_matches_the_single_process_merge(world, tmp_path):
     mp.spawn(check_all_methods, args=(world, str(tmp_path / "store")), nprocs=world)
 
 
+def check_tensors_without_entries(rank: int, store: str) -> None:
+    """Zero-size tensors beside a real matrix, on every plan of every method: the empty shape
+    comes back on every rank and the real matrix equals the single-process merge."""
+    init(rank, 2, store, timeout_s=60)
+    generator = torch.Generator().manual_seed(9)
+    shapes = {"w": (12, 8), "rows": (0, 8), "cols": (8, 0), "v": (0,)}
+    deltas = [
+        TaskVector(
+            {n: torch.randn(s, generator=generator, dtype=torch.float64) for n, s in shapes.items()}
+        )
+        for _ in range(WORKERS)
+    ]
+    local = deltas[rank * 2 : rank * 2 + 2]
+    for name, params in METHODS:
+        method = get_method(name, **params)
+        expected = method.merge(deltas)
+        for plan in available_plans(method):
+            got, _ = merge_across_ranks(method, local, plan=plan)
+            assert {n: tuple(t.shape) for n, t in got.items()} == shapes, f"{name} {plan}"
+            torch.testing.assert_close(got["w"], expected["w"], rtol=1e-9, atol=1e-9)
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def test_tensors_without_entries_merge_across_ranks(tmp_path):
+    mp.spawn(check_tensors_without_entries, args=(str(tmp_path / "store"),), nprocs=2)
+
+
 def test_int8_codec_round_trip_error_is_a_row_scale():
     codec = Codec("int8")
     values = torch.randn(1000, dtype=torch.float64) * torch.logspace(-3, 3, 1000)

@@ -100,6 +100,27 @@ def test_integer_tensors_are_copied_from_base(tmp_path):
     assert (summary.tensors_merged, summary.tensors_copied) == (1, 1)
 
 
+@pytest.mark.parametrize("method", ["mean", "ta", "ties", "tsv", "iso-c", "iso-cts"])
+def test_a_tensor_without_entries_is_written_empty(tmp_path, method):
+    """A zero-size tensor (here a 0-row matrix beside a real one) merges to an empty tensor of
+    its shape; the other tensors merge as if it were absent (ta: base + sum of the deltas)."""
+    generator = torch.Generator().manual_seed(5)
+    base = {"w": torch.randn(6, 4, generator=generator), "empty": torch.zeros(0, 4)}
+    tuned = [
+        {"w": base["w"] + 0.1 * torch.randn(6, 4, generator=generator), "empty": torch.zeros(0, 4)}
+        for _ in range(2)
+    ]
+    paths = [write_state_dict(t, tmp_path / f"m{i}.safetensors") for i, t in enumerate(tuned)]
+    base_path = write_state_dict(base, tmp_path / "base.safetensors")
+    out = tmp_path / "out.safetensors"
+    merge_checkpoints(paths, base_path, method, out, progress=False)
+    merged = load_state_dict(out)
+    assert merged["empty"].shape == (0, 4) and merged["w"].isfinite().all()
+    if method == "ta":
+        expected = sum(t["w"].double() - base["w"].double() for t in tuned) + base["w"].double()
+        torch.testing.assert_close(merged["w"].double(), expected, rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     ("method", "params"),
     [

@@ -587,6 +587,19 @@ def test_output_keeps_input_dtype(name, dtype):
         assert result.dtype == dtype and result.shape == shape
 
 
+@pytest.mark.parametrize("name", list_methods())
+def test_tensors_without_entries_merge_to_empty_tensors(name):
+    """A 2-D tensor with a zero dimension has no spectrum: every method returns the empty
+    tensor of its shape (the spectral methods treat it as a non-matrix), and check_shapes,
+    which the trainer calls before round one, accepts it."""
+    method = get_method(name)
+    shapes = [(0,), (0, 4), (4, 0), (0, 0), (3, 0, 2)]
+    method.check_shapes({f"w{index}": shape for index, shape in enumerate(shapes)}, 3)
+    for shape in shapes:
+        result = method.merge_tensor("w", random_deltas(shape, 3))
+        assert result.shape == shape and result.dtype == torch.float64
+
+
 def test_list_methods_names_all_eight():
     assert sorted(list_methods()) == sorted(
         ["mean", "ta", "ties", "dare", "breadcrumbs", "tsv", "iso-c", "iso-cts"]

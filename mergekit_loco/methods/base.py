@@ -161,9 +161,15 @@ def mean_of(deltas: Sequence[torch.Tensor]) -> torch.Tensor:
     return sum_of(deltas).div_(len(deltas))
 
 
+def is_matrix_shape(shape: Sequence[int]) -> bool:
+    """Spectral methods treat 2-D tensors (linear layers, embeddings, lm_head) as matrices; a
+    2-D tensor with no entries has no spectrum and is merged as a non-matrix (an empty mean)."""
+    return len(shape) == 2 and min(shape) > 0
+
+
 def is_matrix(delta: torch.Tensor) -> bool:
-    """Spectral methods treat 2-D tensors (linear layers, embeddings, lm_head) as matrices."""
-    return delta.ndim == 2
+    """:func:`is_matrix_shape` of ``delta``'s shape."""
+    return is_matrix_shape(delta.shape)
 
 
 def in_svd_precision(deltas: Sequence[torch.Tensor]) -> list[torch.Tensor]:

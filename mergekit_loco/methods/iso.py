@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from mergekit_loco.linalg import isotropic
-from mergekit_loco.methods.base import MergeMethod, OfWorkerMean, is_matrix
+from mergekit_loco.methods.base import MergeMethod, OfWorkerMean, is_matrix, is_matrix_shape
 
 SPECTRAL_CHOICES = ("exact", "ns")
 
@@ -41,7 +41,7 @@ class IsoC(MergeMethod):
         return delta.to(self.term_dtype(delta.shape, delta.dtype))
 
     def term_dtype(self, shape: Sequence[int], dtype: torch.dtype) -> torch.dtype:
-        return torch.promote_types(dtype, torch.float32) if len(shape) == 2 else dtype
+        return torch.promote_types(dtype, torch.float32) if is_matrix_shape(shape) else dtype
 
     def finish(self, name: str, total: torch.Tensor, workers: int) -> torch.Tensor:
         if not is_matrix(total):

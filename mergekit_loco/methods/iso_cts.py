@@ -22,6 +22,7 @@ from mergekit_loco.methods.base import (
     check_fraction,
     in_svd_precision,
     is_matrix,
+    is_matrix_shape,
     mean_of,
 )
 from mergekit_loco.methods.iso import check_spectral
@@ -111,7 +112,7 @@ class IsoCts(MergeMethod):
 
     def check_shapes(self, shapes: Mapping[str, Sequence[int]], tasks: int) -> None:
         for name, shape in shapes.items():
-            if len(shape) == 2:
+            if is_matrix_shape(shape):
                 split_subspaces(name, min(shape), tasks, self.common_fraction)
 
     def parts(self, name: str, deltas: Sequence[torch.Tensor]):
@@ -149,7 +150,7 @@ class IsoCts(MergeMethod):
         """How matrix ``name`` reaches its owner, whichever sends fewer bytes: ``"deltas"`` (the
         V deltas themselves; uncompressed only) or ``"factors"`` (the rank's sum, then the
         common basis back, then the V task factors); non-matrices: ``"sum"``."""
-        if len(shape) != 2:
+        if not is_matrix_shape(shape):
             return "sum"
         rows, cols = shape
         common, per_task = split_subspaces(
@@ -288,7 +289,9 @@ class IsoCts(MergeMethod):
             entries += workers_per_rank * per_task * (rows + cols + 1)
             total += entries * pricing.width(torch.promote_types(dtype, torch.float32))
         deliveries = [
-            self.delivery(shape, dtype, pricing) if len(shape) == 2 else (tuple(shape), dtype)
+            self.delivery(shape, dtype, pricing)
+            if is_matrix_shape(shape)
+            else (tuple(shape), dtype)
             for _, shape, dtype in layout
         ]
         owners = pricing.owners([shape for _, shape, _ in layout])

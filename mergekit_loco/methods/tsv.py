@@ -9,7 +9,13 @@ from dataclasses import dataclass
 import torch
 
 from mergekit_loco.linalg import consuming_product, polar_of_blocks, truncated_svd
-from mergekit_loco.methods.base import MergeMethod, in_svd_precision, is_matrix, mean_of
+from mergekit_loco.methods.base import (
+    MergeMethod,
+    in_svd_precision,
+    is_matrix,
+    is_matrix_shape,
+    mean_of,
+)
 from mergekit_loco.methods.plan import (
     Collectives,
     Layout,
@@ -64,7 +70,7 @@ class Tsv(MergeMethod):
 
     def check_shapes(self, shapes: Mapping[str, Sequence[int]], tasks: int) -> None:
         for name, shape in shapes.items():
-            if len(shape) == 2:
+            if is_matrix_shape(shape):
                 tsv_rank(name, torch.Size(shape), tasks)
 
     def merge_tensor(self, name: str, deltas: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -121,7 +127,7 @@ def low_rank_bytes(layout: Layout, workers_per_rank: int, world: int, pricing: P
     workers = workers_per_rank * world
     total = 0.0
     for name, shape, dtype in layout:
-        if len(shape) != 2:
+        if not is_matrix_shape(shape):
             total += (world - 1) * math.prod(shape) * pricing.width(dtype)
             continue
         rows, cols = shape
