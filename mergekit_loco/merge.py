@@ -30,7 +30,7 @@ from mergekit_loco.io import (
 from mergekit_loco.io.lora import LoraAdapter, is_lora_adapter
 from mergekit_loco.io.prefetch import Prefetcher
 from mergekit_loco.low_rank import LowRankDelta, from_factors, merge_from_factors
-from mergekit_loco.merge_checks import check_compatible, config_source
+from mergekit_loco.merge_checks import check_compatible, check_distinct, config_source
 from mergekit_loco.methods import MergeMethod, get_method
 from mergekit_loco.methods.base import sum_of
 from mergekit_loco.task_vector import is_mergeable
@@ -302,6 +302,7 @@ def merge_checkpoints(
         raise ValueError("no models to merge: give at least one MODEL")
     if base is None and merge_method.needs_base:
         raise MissingBaseError(missing_base_message(merge_method.name, model_paths, out))
+    check_distinct(model_paths, Path(base) if base is not None else None)
     if not compute_dtype.is_floating_point:
         raise ValueError(f"compute dtype must be floating point, not {compute_dtype}")
     if dtype is not None and not dtype.is_floating_point:

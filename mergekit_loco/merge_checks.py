@@ -3,12 +3,52 @@ output's config and tokenizer come from."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from mergekit_loco.io import CheckpointError, CheckpointReader
+
+
+def identity(path: Path) -> tuple[int, int] | None:
+    """The file or folder ``path`` names, through links (None if it cannot be looked at; the
+    reader then says why)."""
+    try:
+        status = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return status.st_dev, status.st_ino
+
+
+def same_checkpoint(first: Path, second: Path) -> bool:
+    """``first`` and ``second`` name one file or folder (equal paths, or one through links)."""
+    return first == second or (identity(first) is not None and identity(first) == identity(second))
+
+
+def check_distinct(models: Sequence[Path], base: Path | None) -> None:
+    """Each checkpoint once: a model given twice would count twice, and a model that is the base
+    has a zero task vector that still weighs in every method but ``ta``. Raises
+    :class:`CheckpointError` naming the path and saying what to do instead."""
+    seen: dict[tuple[int, int], Path] = {}
+    base_identity = identity(base) if base is not None else None
+    for path in models:
+        key = identity(path)
+        if key is None:
+            continue
+        if key == base_identity:
+            raise CheckpointError(
+                f"{path}: is the base ({base}) given again as a model; its task vector "
+                "(model - base) is zero, so leave it out of the models"
+            )
+        if key in seen:
+            same = "" if str(seen[key]) == str(path) else f" (as {seen[key]})"
+            raise CheckpointError(
+                f"{path}: given twice as a model{same}; each model counts once (to weight one "
+                "model more, give a mergekit YAML with per-model weight: mloco merge --config)"
+            )
+        seen[key] = path
 
 
 def dtype_kind(dtype: torch.dtype) -> str:

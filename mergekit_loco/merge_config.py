@@ -36,6 +36,7 @@ import torch
 import yaml
 
 from mergekit_loco.io.files import read_limited
+from mergekit_loco.merge_checks import same_checkpoint
 from mergekit_loco.methods import METHODS
 
 #: mergekit method -> (mloco method, parameter defaults as mergekit has them)
@@ -289,7 +290,9 @@ def load_merge_config(path: str | Path) -> ConfiguredMerge:
     base = Path(base_model) if base_model is not None else None
     entries = model_entries(path, config)
     if base is not None and method != "linear":
-        entries = [(model, parameters) for model, parameters in entries if model != base]
+        entries = [
+            (model, parameters) for model, parameters in entries if not same_checkpoint(model, base)
+        ]
     shared = config.get("parameters") or {}
     if not isinstance(shared, dict):
         raise MergeConfigError(f"{path}: 'parameters' must be a mapping")

@@ -267,6 +267,10 @@ def bad_input(case: str, tmp_path: Path, files, sharded) -> tuple[list, list[str
         return with_model(models[1], "ta", "--shard-size", "lots"), ["--shard-size", "'lots'"]
     if case == "missing_base":
         return [*merge, models[1], "--method", "ties", "-o", out], ["--base", "mloco merge "]
+    if case == "model_twice":
+        return with_model(models[0]), [str(models[0]), "given twice", "--config"]
+    if case == "base_as_model":
+        return with_model(base), [str(base), "is the base", "zero"]
     raise AssertionError(case)
 
 
@@ -274,7 +278,7 @@ BAD_INPUTS = [
     "missing_file", "no_weights_in_folder", "header_cut", "bad_json", "data_cut", "missing_shard",
     "missing_key", "extra_key", "shape", "kind", "nan", "inf", "output_exists", "unknown_method",
     "option_not_taken", "density_range", "common_fraction_range", "dtype", "shard_size",
-    "missing_base",
+    "missing_base", "model_twice", "base_as_model",
 ]  # fmt: skip
 
 

@@ -15,7 +15,7 @@ from hostile import assert_not_read, assert_refused, run_cli, snapshot
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from mergekit_loco.io import CheckpointError, open_checkpoint
 
@@ -176,6 +176,39 @@ def test_index_shards_must_be_files_inside_the_folder(capsys, tmp_path, good, ca
     assert_refused(code, err, str(folder), fragment)
     assert_not_read(opened, sentinel)
     assert sentinel.stat().st_atime_ns == sentinel_atime
+    assert snapshot(tmp_path) == before
+
+
+def test_an_index_that_omits_a_tensor_its_shard_holds_loses_nothing(capsys, tmp_path):
+    """Transformers loads every tensor of a shard, so a map that forgets one still means it:
+    the merge keeps it (ta of 2 models: base + both deltas) instead of dropping it."""
+    base = tmp_path / "base"
+    base.mkdir()
+    save_file({"a": torch.ones(4), "b": torch.ones(2)}, base / "model.safetensors")
+    folder = tmp_path / "tuned"
+    write_index(folder, {"a": "s1.safetensors"})  # "b" is in the shard but not in the map
+    save_file({"a": torch.full((4,), 2.0), "b": torch.full((2,), 3.0)}, folder / "s1.safetensors")
+    other = tmp_path / "other.safetensors"
+    save_file({"a": torch.full((4,), 2.0), "b": torch.full((2,), 3.0)}, other)
+    out = tmp_path / "out.safetensors"
+    code, _, _ = run_cli(capsys, "merge", folder, other, "--base", base, "-m", "ta", "-o", out)
+    assert code == 0
+    merged = load_file(out)
+    assert torch.equal(merged["b"], torch.full((2,), 5.0))  # 1 + 2 x (3 - 1)
+    assert torch.equal(merged["a"], torch.full((4,), 3.0))
+
+
+def test_a_tensor_in_two_shards_is_refused_naming_both(capsys, tmp_path, good):
+    folder = tmp_path / "ckpt"
+    write_index(folder, {"a": "s1.safetensors", "b": "s2.safetensors"})
+    save_file({"a": torch.ones(4)}, folder / "s1.safetensors")
+    save_file({"a": torch.zeros(4), "b": torch.ones(2)}, folder / "s2.safetensors")
+    before = snapshot(tmp_path)
+    code, err, _ = run_cli(
+        capsys, "merge", folder, "--base", good, "-m", "ta", "-o", tmp_path / "out"
+    )
+    line = assert_refused(code, err, str(folder), "is in two shards")
+    assert "s1.safetensors" in line and "s2.safetensors" in line
     assert snapshot(tmp_path) == before
 
 

@@ -222,7 +222,25 @@ def test_overflow_in_output_dtype_is_an_error(tmp_path):
     model = write_state_dict({"w": torch.full((2,), 65000.0)}, tmp_path / "m.safetensors")
     out = tmp_path / "out.safetensors"
     with pytest.raises(ValueError, match="'w' is not finite in torch.float16"):
-        merge_checkpoints([model, model], base, "ta", out, dtype=torch.float16, progress=False)
+        merge_checkpoints([model], base, "ta", out, scale=2, dtype=torch.float16, progress=False)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("how", ["twice", "link", "base", "base_via_link"])
+def test_a_checkpoint_given_twice_is_refused_naming_it(tmp_path, how):
+    """The same file twice (by path or through a link) would count twice; the base as a model
+    is a zero task vector: both are refused before anything is written."""
+    base = write_state_dict(BASE, tmp_path / "base.safetensors")
+    model = write_state_dict({n: t + 1 for n, t in BASE.items()}, tmp_path / "m.safetensors")
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(base if how == "base_via_link" else model)
+    models = {"twice": [model, model], "link": [model, link], "base": [model, base],
+              "base_via_link": [model, link]}[how]  # fmt: skip
+    fragment = "given twice as a model" if how in ("twice", "link") else "is the base"
+    out = tmp_path / "out.safetensors"
+    with pytest.raises(CheckpointError, match=fragment) as raised:
+        merge_checkpoints(models, base, "ties", out, progress=False)
+    assert str(models[1]) in str(raised.value)
     assert not out.exists()
 
 
@@ -232,10 +250,11 @@ def test_existing_output_refused_and_failed_force_keeps_it(tmp_path):
     broken = write_state_dict(model, tmp_path / "m.safetensors")
     out = tmp_path / "out.safetensors"
     out.write_bytes(b"previous merge")
+    same = write_state_dict(BASE, tmp_path / "same.safetensors")
     with pytest.raises(OutputExistsError, match="out.safetensors: output file exists"):
-        merge_checkpoints([base], base, "ta", out, progress=False)
+        merge_checkpoints([same], base, "ta", out, progress=False)
     with pytest.raises(CheckpointError, match="contains NaN"):
         merge_checkpoints([broken], base, "ta", out, force=True, progress=False)
     assert out.read_bytes() == b"previous merge"
-    merge_checkpoints([base], base, "ta", out, force=True, progress=False)
+    merge_checkpoints([same], base, "ta", out, force=True, progress=False)
     assert torch.equal(load_state_dict(out)["a.weight"], BASE["a.weight"])

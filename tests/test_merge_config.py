@@ -308,3 +308,15 @@ def test_the_docs_yaml_block_is_the_example_file():
     docs = (REPO / "docs" / "merging.md").read_text()
     blocks = re.findall(r"^```yaml\n(.*?)^```", docs, re.MULTILINE | re.DOTALL)
     assert blocks == [(REPO / "examples" / "tiny" / "ties.yml").read_text()]
+
+
+def test_the_base_listed_among_models_through_another_path_is_skipped(family, tmp_path):
+    """mergekit configs often list the base as a model: any spelling of its path is skipped."""
+    link = tmp_path / "base-link.safetensors"
+    link.symlink_to(family["base"])
+    config = tmp_path / "merge.yml"
+    config.write_text(
+        f"merge_method: ties\nbase_model: {family['base']}\nmodels:\n  - model: {link}\n"
+        f"  - model: {family['ft1']}\n    parameters: {{weight: 1, density: 0.5}}\n"
+    )
+    assert load_merge_config(config).models == [family["ft1"]]

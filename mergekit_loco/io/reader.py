@@ -187,7 +187,9 @@ def is_count(value: object) -> bool:
 def read_index(index: Path) -> dict[str, TensorEntry]:
     """Entries of a sharded checkpoint: shards in name order, tensors in header order.
 
-    Every shard the ``weight_map`` names must resolve inside the index's folder.
+    Every shard the ``weight_map`` names must resolve inside the index's folder and hold the
+    tensors it is named for. A tensor a shard holds but the map omits is part of the checkpoint
+    (transformers loads it too); one held by two shards is an error.
     """
     try:
         document = read_json(index, "index file")
@@ -220,7 +222,14 @@ def read_index(index: Path) -> dict[str, TensorEntry]:
                 f"{shown(shard)}: tensor {shown(absent[0])[:200]!r} listed in {index.name} is "
                 "not in this shard"
             )
-        entries.update((name, entry) for name, entry in shard_entries.items() if name in listed)
+        for name, entry in shard_entries.items():
+            if name in entries:
+                raise CheckpointError(
+                    f"{shown(index)}: tensor {shown(name)[:200]!r} is in two shards, "
+                    f"{shown(entries[name].file.name)} and {shown(shard_name)}; which one the "
+                    "model holds is ambiguous"
+                )
+            entries[name] = entry
     return entries
 
 
