@@ -2,10 +2,10 @@
 
 Builds a Llama-shaped checkpoint with random bfloat16 weights (~106M parameters; ~23M with
 --small) and 3 fine-tunes (base + noise) in a temporary folder, then merges them with mean, ta,
-ties, iso-c, tsv and iso-cts, each in a fresh process so that the child's peak RSS
-(``ru_maxrss`` from ``wait4``) belongs to that merge alone. With mergekit available (its own
-interpreter via --mergekit-python, or ``mergekit-yaml`` on PATH / --mergekit-bin) the shared
-merges (mean = mergekit's linear, ta, ties) run from one YAML file through mloco
+ties, iso-c, tsv and iso-cts, each in a fresh process forked from a small wrapper, so that its
+peak RSS (``ru_maxrss`` from ``wait4``) belongs to that merge alone. With mergekit available
+(its own interpreter via --mergekit-python, or ``mergekit-yaml`` on PATH / --mergekit-bin) the
+shared merges (mean = mergekit's linear, ta, ties) run from one YAML file through mloco
 (``load_merge_config``) and then mergekit, and a table of ratios is printed, with the largest
 difference between the two outputs. ``cat`` of the four
 input files is timed too: the I/O floor.
@@ -112,27 +112,49 @@ def write_checkpoints(root: Path, shape: dict) -> tuple[Path, list[Path]]:
     return folders[0], folders[1:]
 
 
-def run_measured(command: list[str], keep_stdout: bool = True) -> tuple[float, int, str]:
-    """Run ``command``: (wall seconds, peak RSS of that child in bytes, its stdout).
+#: Runs argv[2:] as its only child and writes that child's ru_maxrss (KiB) to argv[1]. A child
+#: forked from a large process reports at least that process's high-water mark (Linux keeps
+#: the old memory's peak across exec), so the merge is forked from this small interpreter,
+#: never from the benchmark that built the checkpoints.
+PEAK_WRAPPER = """
+import os, sys
+pid = os.fork()
+if pid == 0:
+    os.execvp(sys.argv[2], sys.argv[2:])
+_, status, usage = os.wait4(pid, 0)
+with open(sys.argv[1], "w") as peak:
+    peak.write(str(usage.ru_maxrss))
+sys.exit(os.waitstatus_to_exitcode(status) % 256)
+"""
 
-    The child is reaped with ``wait4``, whose rusage is the child's own (RUSAGE_CHILDREN would
-    be the maximum over every child so far).
+
+def run_measured(command: list[str], keep_stdout: bool = True) -> tuple[float, int, str]:
+    """Run ``command``: (wall seconds, peak RSS of that command alone in bytes, its stdout).
+
+    The command is the only child of a fresh ``python -S`` (:data:`PEAK_WRAPPER`), which reaps
+    it with ``wait4`` and reports its ``ru_maxrss``; the wrapper's start (~20 ms) is in the wall
+    time.
     """
-    with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
+    with (
+        tempfile.TemporaryFile("w+") as stdout,
+        tempfile.TemporaryFile("w+") as stderr,
+        tempfile.NamedTemporaryFile("r") as peak,
+    ):
         started = time.perf_counter()
-        process = subprocess.Popen(
-            command, stdout=stdout if keep_stdout else subprocess.DEVNULL, stderr=stderr, text=True
+        process = subprocess.run(
+            [sys.executable, "-S", "-c", PEAK_WRAPPER, peak.name, *command],
+            stdout=stdout if keep_stdout else subprocess.DEVNULL,
+            stderr=stderr,
+            text=True,
         )
-        _, status, usage = os.wait4(process.pid, 0)
         seconds = time.perf_counter() - started
-        process.returncode = os.waitstatus_to_exitcode(status)
         stdout.seek(0)
         stderr.seek(0)
         if process.returncode != 0:
             raise RuntimeError(
                 f"{command[0]} failed ({process.returncode}):\n{stderr.read()[-3000:]}"
             )
-        return seconds, usage.ru_maxrss * 1024, stdout.read()
+        return seconds, int(peak.read()) * 1024, stdout.read()
 
 
 @dataclass
