@@ -159,6 +159,19 @@ def test_folder_source_is_recursive_sorted_and_text_only(corpus):
         load_documents(f"{corpus},{corpus / 'part0' / 'doc000.txt'}")
 
 
+def test_a_path_with_commas_in_its_name_is_one_source(tmp_path, monkeypatch):
+    """``--data`` splits at commas, except inside a path that exists as written."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes, 2024.txt").write_text("first notes\n")
+    (tmp_path / "a,b").mkdir()
+    (tmp_path / "a,b" / "c.md").write_text("in a folder\n")
+    (tmp_path / "plain.txt").write_text("plain\n")
+    documents = load_documents("plain.txt,notes, 2024.txt, a,b")
+    assert [d.read() for d in documents] == ["plain\n", "first notes\n", "in a folder\n"]
+    with pytest.raises(ValueError, match="'notes'"):
+        load_documents("plain.txt,notes")  # no file of that name: named as given
+
+
 @pytest.mark.parametrize("spec", ["no/such/place", "stdlib,,pydoc", "books"])
 def test_bad_spec_names_the_source(spec, tmp_path):
     with pytest.raises(ValueError, match=re.escape(repr(spec))):

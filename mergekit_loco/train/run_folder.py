@@ -20,7 +20,7 @@ from mergekit_loco.run_layout import (
 )
 from mergekit_loco.train.checkpoint import STATE, latest_checkpoint, read_state, reading
 from mergekit_loco.train.config import TrainConfig
-from mergekit_loco.train.sources import cache_root
+from mergekit_loco.train.sources import cache_root, split_sources
 from mergekit_loco.train.workers import WorkerGroup
 
 
@@ -53,9 +53,9 @@ def check_output(out: Path, config: TrainConfig) -> Path | None:
 
 def run_inputs(config: TrainConfig) -> list[str]:
     """The paths a run reads: ``--init``, ``--tokenizer`` and every ``--data`` source."""
-    return [p for p in (config.model.init, config.data.tokenizer) if p] + [
-        part.strip() for part in config.data.source.split(",")
-    ]
+    return [p for p in (config.model.init, config.data.tokenizer) if p] + split_sources(
+        config.data.source
+    )
 
 
 def check_out_outside_inputs(out: Path, config: TrainConfig) -> None:

@@ -67,9 +67,30 @@ def in_memory(name: str, stamp: str, text: str) -> Document:
 
 
 # -- sources ------------------------------------------------------------------------------------
+def split_sources(spec: str) -> list[str]:
+    """The sources of a comma-separated data spec. A path whose name holds commas stays whole
+    where it exists (``notes,2024.txt``): at each position the longest run of parts that names
+    an existing path is one source."""
+    parts = spec.split(",")
+    sources, start = [], 0
+    while start < len(parts):
+        end = next(
+            (
+                end
+                for end in range(len(parts), start + 1, -1)
+                if Path(",".join(parts[start:end]).strip()).expanduser().exists()
+            ),
+            start + 1,
+        )
+        sources.append(",".join(parts[start:end]).strip())
+        start = end
+    return sources
+
+
 def load_documents(spec: str) -> list[Document]:
-    """The documents of a comma-separated data spec, each source in a fixed sorted order."""
-    parts = [part.strip() for part in spec.split(",")]
+    """The documents of a comma-separated data spec (:func:`split_sources`), each source in a
+    fixed sorted order."""
+    parts = split_sources(spec)
     if not spec.strip() or not all(parts):
         raise ValueError(f"data spec {spec!r} has an empty source")
     documents: list[Document] = []
