@@ -181,6 +181,19 @@ def test_bad_arguments_name_the_fault():
                   aggregator_options={"densty": 0.5}, exclude=["skip"])  # fmt: skip
 
 
+def test_exclude_takes_any_name_of_a_tied_weight():
+    """A weight tied under two names (head.weight is embed.weight) is excluded by either."""
+    model = torch.nn.ModuleDict({"embed": torch.nn.Embedding(5, 3), "head": torch.nn.Linear(3, 5)})
+    model["head"].weight = model["embed"].weight
+    assert [name for name, _ in model.named_parameters()] == ["embed.weight", "head.bias"]
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    for alias in ("head.weight", "embed.weight"):
+        driver = ml.DiLoCo(
+            model, inner, torch.optim.SGD([model["head"].bias], lr=1.0), exclude=[alias]
+        )
+        assert list(driver.params) == ["head.bias"]
+
+
 def test_driver_leaves_a_process_group_it_did_not_create(tmp_path):
     """One gloo rank: the driver aggregates over it and the group outlives the driver."""
     store = dist.FileStore(str(tmp_path / "store"), 1)

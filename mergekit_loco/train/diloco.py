@@ -103,10 +103,16 @@ class DiLoCo:
             raise ValueError(f"sync_every must be >= 1, got {sync_every}")
         check_compression(compression)
         named = dict(model.named_parameters())
-        excluded = set(exclude)
-        unknown = sorted(excluded - set(named))
+        # a tied weight has one name here and more in the model (lm_head.weight beside
+        # wte.weight): excluding any of its names excludes the tensor
+        canonical = {id(p): name for name, p in named.items()}
+        every_name = {
+            name: canonical[id(p)] for name, p in model.named_parameters(remove_duplicate=False)
+        }
+        unknown = sorted(set(exclude) - set(every_name))
         if unknown:
             raise ValueError(f"exclude names {unknown[0]!r}, which is not a parameter of the model")
+        excluded = {every_name[name] for name in exclude}
         self.params = {
             name: p for name, p in named.items() if p.requires_grad and name not in excluded
         }
