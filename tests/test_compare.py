@@ -6,7 +6,6 @@ import csv
 import importlib.util
 import json
 import math
-import re
 import shlex
 from pathlib import Path
 
@@ -287,14 +286,7 @@ def test_merge_mode_checks_its_inputs(tmp_path):
         merges.compare_merges("b", ["a", "c"], ["x", "y"], ["ta"], [0.0], tmp_path)
 
 
-# -- docs -----------------------------------------------------------------------------------------
-def doc_commands(path: Path) -> list[str]:
-    """The ``mloco compare|report|eval`` lines of the bash blocks in ``path`` (joined at ``\\``)."""
-    blocks = re.findall(r"```bash\n(.*?)```", path.read_text(), flags=re.DOTALL)
-    lines = " ".join(block.replace("\\\n", " ") for block in blocks).split("\n")
-    return [" ".join(line.split()) for line in lines if line.strip().startswith("mloco ")]
-
-
+# -- through the CLI ------------------------------------------------------------------------------
 def run_mloco(command: str) -> None:
     """One ``mloco ...`` line through ``mloco``'s entry point; fails on a non-zero exit."""
     from mergekit_loco import cli
@@ -302,18 +294,6 @@ def run_mloco(command: str) -> None:
     with pytest.raises(SystemExit) as exit_info:
         cli.main(shlex.split(command)[1:])
     assert exit_info.value.code == 0, command
-
-
-def test_docs_examples_run(tmp_path, monkeypatch, capsys):
-    commands = doc_commands(Path(__file__).parents[1] / "docs" / "compare.md")
-    assert len(commands) == 7
-    monkeypatch.chdir(tmp_path)
-    for command in commands:
-        run_mloco(command)
-    assert (tmp_path / "runs/compare-demo/loss_vs_workers.png").is_file()
-    assert (tmp_path / "runs/merge-demo/merging.png").is_file()
-    output = capsys.readouterr().out
-    assert "Final validation loss" in output and "Merged models" in output
 
 
 def test_compare_command_seed_list_shared_inner_settings_and_val_seed(tmp_path, domains):

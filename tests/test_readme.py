@@ -88,6 +88,7 @@ def test_readme_then_docs_commands_run_in_order(workdir, capsys):
     assert (workdir / "merged-ties" / "config.json").is_file()
     assert (workdir / "merged-ties-api" / "model.safetensors").is_file()
     assert (workdir / "runs" / "merge-demo" / "merging.png").is_file()
+    assert (workdir / "runs" / "compare-demo" / "loss_vs_workers.png").is_file()
 
 
 def test_readme_python_example_runs(workdir):
