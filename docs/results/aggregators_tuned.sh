@@ -40,12 +40,27 @@ mloco eval "$WORK/horizon/runs/dp-s${TUNING_SEED%,}/final" \
 decide noise "$WORK/eval_noise.json"
 
 # 3. One inner AdamW setting for every aggregator: the lr best for dp and DiLoCo (R = 2, 8).
-INNER_DIRS=()
-for lr in $INNER_LRS; do
-  mloco compare --aggregators diloco --workers 2,8 --seeds "$TUNING_SEED" $SHARED \
-    --tokens "$TOKENS" --inner-lr "$lr" --weight-decay "$WEIGHT_DECAY" -o "$WORK/inner/lr$lr"
-  INNER_DIRS+=("$WORK/inner/lr$lr")
+#    Each lr is its own sweep of 3 cells; two streams of sweeps, one job each, keep both
+#    cores busy (one sweep with --jobs 2 would leave a core idle for its third cell).
+inner_sweeps() {
+  for lr in "$@"; do
+    mloco compare --aggregators diloco --workers 2,8 --seeds "$TUNING_SEED" $SHARED \
+      --jobs 1 --tokens "$TOKENS" --inner-lr "$lr" --weight-decay "$WEIGHT_DECAY" \
+      -o "$WORK/inner/lr$lr"
+  done
+}
+read -r -a LRS <<< "$INNER_LRS"
+EVEN=() ODD=() INNER_DIRS=()
+for i in "${!LRS[@]}"; do
+  if (( i % 2 )); then ODD+=("${LRS[i]}"); else EVEN+=("${LRS[i]}"); fi
+  INNER_DIRS+=("$WORK/inner/lr${LRS[i]}")
 done
+inner_sweeps "${EVEN[@]}" & first=$!
+inner_sweeps "${ODD[@]}" & second=$!
+failed=0
+wait "$first" || failed=1
+wait "$second" || failed=1
+if (( failed )); then echo "an inner-lr sweep failed; rerun this script to resume" >&2; exit 1; fi
 INNER_LR=$(decide inner "${INNER_DIRS[@]}")
 INNER="--inner-lr $INNER_LR --weight-decay $WEIGHT_DECAY"
 
