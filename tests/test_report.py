@@ -354,3 +354,17 @@ def test_protocol_decisions_by_hand(tmp_path, capsys):
     assert decide.main(["noise", str(tmp_path / "noise.json")]) == 0
     # shifts: mean 0.25, sample sd sqrt(((.15)^2 + (.05)^2 * 2 + (.15)^2) / 3) = 0.1291; se / 2
     assert capsys.readouterr().out == "0.0645\n"
+
+
+def test_protocol_compute_sums_round_seconds(tmp_path, capsys):
+    """Core-hours of a stage: the rounds' own seconds of every run, whatever the run resumed."""
+    decide = load_script("aggregators_tuned")
+    for name, seconds in (("dp-s9", (1000.0, 800.0)), ("diloco-R2-s9", (450.0, 450.0))):
+        folder = tmp_path / "stage" / "runs" / name
+        folder.mkdir(parents=True)
+        events = [{"event": "round", "round": k + 1, "round_seconds": s}
+                  for k, s in enumerate(seconds)] + [{"event": "eval", "round": 2}]  # fmt: skip
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    assert decide.main(["compute", str(tmp_path / "stage")]) == 0
+    out = capsys.readouterr().out
+    assert "2 runs, 0.75 core-hours" in out and "total: 0.75 core-hours" in out  # 2700 s

@@ -4,6 +4,7 @@
     python docs/results/aggregators_tuned.py inner INNER_DIR...
     python docs/results/aggregators_tuned.py flags TUNE_DIR
     python docs/results/aggregators_tuned.py noise EVAL_JSON
+    python docs/results/aggregators_tuned.py compute STAGE_DIR...
 
 Each prints its answer on stdout (what the script passes on) and its reasoning on stderr, and
 exits with 1 when the answer cannot be given yet (a curve not flat, an optimum on a grid edge):
@@ -20,7 +21,7 @@ import sys
 from pathlib import Path
 
 from mergekit_loco import run_layout
-from mergekit_loco.compare.runs import BASELINE, load_runs, read_run_config
+from mergekit_loco.compare.runs import BASELINE, load_runs, read_metrics, read_run_config
 from mergekit_loco.compare.sweep_report import TUNED_FILE, summarize
 
 
@@ -129,6 +130,24 @@ def noise(path: str) -> int:
     return 0
 
 
+def compute(folders: list[str]) -> int:
+    """Training time of each stage folder: the sum of every run's ``round_seconds`` (one thread
+    per job, so core-seconds; evaluations and start-up not counted), in core-hours."""
+    total = 0.0
+    for folder in folders:
+        runs = sorted(p for p in (Path(folder) / run_layout.SWEEP_RUNS).iterdir() if p.is_dir())
+        seconds = sum(
+            event["round_seconds"]
+            for run in runs
+            for event in read_metrics(run)
+            if event.get("event") == "round" and isinstance(event.get("round_seconds"), float)
+        )
+        total += seconds
+        print(f"{folder}: {len(runs)} runs, {seconds / 3600:.2f} core-hours of training rounds")
+    print(f"total: {total / 3600:.2f} core-hours")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -138,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser("inner").add_argument("folders", nargs="+")
     commands.add_parser("flags").add_argument("folder")
     commands.add_parser("noise").add_argument("path")
+    commands.add_parser("compute").add_argument("folders", nargs="+")
     arguments = parser.parse_args(argv)
     if arguments.command == "horizon":
         return horizon(arguments.folder, arguments.tolerance)
@@ -145,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         return inner(arguments.folders)
     if arguments.command == "noise":
         return noise(arguments.path)
+    if arguments.command == "compute":
+        return compute(arguments.folders)
     return flags(arguments.folder)
 
 
