@@ -181,6 +181,21 @@ def test_bad_arguments_name_the_fault():
                   aggregator_options={"densty": 0.5}, exclude=["skip"])  # fmt: skip
 
 
+def test_compression_without_a_second_rank_is_refused():
+    """Simulated workers send nothing: compression would change no number, so the driver and
+    OuterOptimizer refuse it rather than report savings that never happened."""
+    model = Tiny()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    outer = torch.optim.SGD([model.weight, model.bias, model.skip], lr=1.0)
+    for compression in ("bf16", "int8"):
+        with pytest.raises(ValueError, match="this process group has 1 rank"):
+            ml.DiLoCo(model, inner, outer, compression=compression)
+        with pytest.raises(ValueError, match="run under torchrun with 2 or more"):
+            ml.OuterOptimizer({"w": torch.zeros(2)}, compression=compression)
+    with pytest.raises(ValueError, match="compression must be bf16 or int8, not 'fp8'"):
+        ml.OuterOptimizer({"w": torch.zeros(2)}, compression="fp8")
+
+
 def test_exclude_takes_any_name_of_a_tied_weight():
     """A weight tied under two names (head.weight is embed.weight) is excluded by either."""
     model = torch.nn.ModuleDict({"embed": torch.nn.Embedding(5, 3), "head": torch.nn.Linear(3, 5)})

@@ -118,6 +118,7 @@ def test_config_file_then_flags(tmp_path):
         (dict(tokens=500), "less than one round"),
         (dict(tokens=100, chinchilla=20.0), "tokens or chinchilla, not both"),
         (dict(preset="diloco-sgd", nesterov=True), "nesterov needs outer_momentum > 0"),
+        (dict(compression="int8"), "compression='int8' compresses what ranks send each other"),
     ],
 )
 def test_bad_config_is_refused_before_anything_runs(corpus, tmp_path, overrides, message):

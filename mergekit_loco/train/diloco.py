@@ -37,6 +37,18 @@ def check_compression(compression: str | None) -> None:
         raise ValueError(f"compression must be bf16 or int8, not {compression!r}")
 
 
+def check_compression_has_ranks(compression: str | None, group: dist.ProcessGroup | None) -> None:
+    """Compression acts on what ranks send each other; in a group of one rank (or none) nothing
+    is sent, so it would change no number while the byte counts claimed its savings."""
+    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    if compression is not None and world == 1:
+        raise ValueError(
+            f"compression={compression!r} compresses what ranks send each other, but this process "
+            "group has 1 rank: simulated workers send nothing, so it would change no number; run "
+            "under torchrun with 2 or more processes (gloo works on one machine), or leave it off"
+        )
+
+
 def resolve_aggregator(
     aggregator: str | MergeMethod, options: Mapping[str, Any] | None = None
 ) -> MergeMethod:
@@ -76,7 +88,9 @@ class DiLoCo:
     ``R = V * world size of process_group`` (no initialised torch.distributed: one rank).
 
     ``backup_device`` keeps the global parameters (and so the deltas' reference) on another
-    device, e.g. "cpu". The driver never creates nor destroys a process group.
+    device, e.g. "cpu". ``compression`` ("bf16", "int8") encodes what ranks send each other,
+    so it needs a process group of 2 or more. The driver never creates nor destroys a process
+    group.
 
     theta_global starts as the model's parameters when the ``with`` block is first entered
     (weights loaded after construction count). Every trainable, non-excluded parameter must be
@@ -139,6 +153,7 @@ class DiLoCo:
         self.sync_every = sync_every
         self.process_group = process_group
         world = dist.get_world_size(process_group) if dist.is_initialized() else 1
+        check_compression_has_ranks(compression, process_group)
         self.method.check_shapes(
             {name: p.shape for name, p in self.params.items()}, len(self.inner_optimizers) * world
         )

@@ -13,7 +13,12 @@ import torch.distributed as dist
 from mergekit_loco.methods import MergeMethod
 from mergekit_loco.task_vector import TaskVector
 from mergekit_loco.train.aggregate import CommStats, aggregate_worker_deltas
-from mergekit_loco.train.diloco import apply_pseudo_gradient, resolve_aggregator
+from mergekit_loco.train.diloco import (
+    apply_pseudo_gradient,
+    check_compression,
+    check_compression_has_ranks,
+    resolve_aggregator,
+)
 
 
 class OuterOptimizer:
@@ -27,7 +32,8 @@ class OuterOptimizer:
 
     Under torch.distributed each rank passes only its own workers' deltas (R =
     ``len(deltas) * world_size``), optionally with ``compression`` "bf16" or "int8" of what
-    travels; ``last_comm_stats`` then holds the cost.
+    travels between ranks (refused without 2 or more ranks: nothing would travel);
+    ``last_comm_stats`` then holds the cost.
     """
 
     def __init__(
@@ -41,6 +47,8 @@ class OuterOptimizer:
         compression: str | None = None,
         **aggregator_options,
     ):
+        check_compression(compression)
+        check_compression_has_ranks(compression, process_group)
         self.params = dict(params)
         self.method = resolve_aggregator(aggregator, aggregator_options)
         self.sgd = torch.optim.SGD(

@@ -34,7 +34,7 @@ from mergekit_loco.train.data import (
     prepare_data,
     worker_shard,
 )
-from mergekit_loco.train.diloco import DiLoCo
+from mergekit_loco.train.diloco import DiLoCo, check_compression_has_ranks
 from mergekit_loco.train.guards import check_data_left
 from mergekit_loco.train.model import (
     build_model,
@@ -173,6 +173,7 @@ def start_run(config: TrainConfig, group: WorkerGroup) -> Run:
     """Build (or resume) the run ``config`` describes. Every check that needs no training runs
     before ``out`` is touched, so a run that cannot start leaves it as it found it."""
     out = Path(config.run.out)
+    check_compression_has_ranks(config.outer.compression, None)  # torchrun's group, if any
     resume_from = check_output(out, config)
     torch.manual_seed(config.run.seed)
     tokenizer_path, tokenizer = main_process_first(group, lambda: find_tokenizer(config))
