@@ -196,6 +196,40 @@ def test_compression_without_a_second_rank_is_refused():
         ml.OuterOptimizer({"w": torch.zeros(2)}, compression="fp8")
 
 
+def test_a_state_of_other_shapes_is_refused_before_anything_changes():
+    """A state saved from Linear(4, 1) does not load into Linear(4, 3): the global tensors,
+    a pending turn or a momentum buffer of another shape are named, and nothing is copied."""
+
+    def driver_of(out_features: int) -> tuple[torch.nn.Module, ml.DiLoCo]:
+        model = torch.nn.Linear(4, out_features)
+        inners = [torch.optim.SGD(model.parameters(), lr=0.1) for _ in range(2)]
+        outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9)
+        return model, ml.DiLoCo(model, inners, outer, sync_every=1)
+
+    model, driver = driver_of(1)
+    with driver:
+        for turn in range(3):  # a round (two turns) and one turn of the next: momentum, pending
+            model(torch.ones(2, 4)).sum().backward()
+            driver.inner_optimizers[turn % 2].step()
+            model.zero_grad()
+    saved = driver.state_dict()
+    assert saved["pending"] and saved["outer"]["state"]
+    other, target = driver_of(3)
+    before = {n: p.detach().clone() for n, p in other.named_parameters()}
+    with pytest.raises(
+        ValueError, match=r"global 'weight' is \[1, 4\] but parameter 'weight' is \[3, 4\]"
+    ):
+        target.load_state_dict(saved)
+    fitting = {**saved, "global_params": dict(target.state_dict()["global_params"])}
+    with pytest.raises(ValueError, match=r"pending turn 0 'weight' is \[1, 4\]"):
+        target.load_state_dict(fitting)
+    fitting["pending"] = []
+    with pytest.raises(ValueError, match=r"outer momentum_buffer of 'weight' is \[1, 4\]"):
+        target.load_state_dict(fitting)
+    assert all(torch.equal(p, before[n]) for n, p in other.named_parameters())
+    assert target.outer_steps == 0 and not target.outer_optimizer.state
+
+
 def test_exclude_takes_any_name_of_a_tied_weight():
     """A weight tied under two names (head.weight is embed.weight) is excluded by either."""
     model = torch.nn.ModuleDict({"embed": torch.nn.Embedding(5, 3), "head": torch.nn.Linear(3, 5)})

@@ -253,3 +253,22 @@ def test_non_finite_pseudo_gradient_raises():
     bad = TaskVector({"w": torch.full((3, 3), float("nan"), dtype=torch.float64)})
     with pytest.raises(FloatingPointError, match="'w'"):
         OuterOptimizer(params, "mean", lr=1.0).step([bad])
+
+
+@pytest.mark.parametrize(
+    ("delta", "message"),
+    [
+        ({"W": torch.ones(2, 2)}, "tensor 'W' is not a parameter"),
+        ({"w": torch.ones(2, 2), "extra": torch.ones(1)}, "tensor 'extra' is not a parameter"),
+        ({}, "tensor 'w' is missing from the merged deltas"),
+        ({"w": torch.ones(1, 2)}, r"tensor 'w' is \[1, 2\] but the parameter is \[2, 2\]"),
+    ],
+)
+def test_deltas_that_do_not_fit_the_params_are_refused_and_change_nothing(delta, message):
+    """A misspelt, missing, extra or wrong-shaped tensor is an error naming it, never a
+    silently skipped parameter or a torch broadcasting error."""
+    params = {"w": torch.zeros(2, 2)}
+    outer = OuterOptimizer(params, "mean", lr=1.0, momentum=0.9)
+    with pytest.raises(ValueError, match=message):
+        outer.step([TaskVector(delta)])
+    assert torch.equal(params["w"], torch.zeros(2, 2)) and not outer.momentum_buffers

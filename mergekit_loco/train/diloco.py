@@ -61,18 +61,39 @@ def resolve_aggregator(
 
 
 @torch.no_grad()
+def check_shapes_fit(
+    params: Mapping[str, torch.Tensor], entries: Iterable[tuple[str, str, torch.Tensor]]
+) -> None:
+    """Each ``(parameter name, label, tensor)`` has its parameter's shape."""
+    for name, label, tensor in entries:
+        if tuple(tensor.shape) != tuple(params[name].shape):
+            raise ValueError(
+                f"DiLoCo state does not fit the model: {label} is {list(tensor.shape)} but "
+                f"parameter {name!r} is {list(params[name].shape)}"
+            )
+
+
 def apply_pseudo_gradient(
     merged: TaskVector, params: Mapping[str, torch.Tensor], outer: torch.optim.Optimizer
 ) -> None:
     """``p.grad = -merged[name]`` (in p's dtype) for every ``params`` entry, ``outer.step()``,
-    gradients cleared. Raises FloatingPointError naming the tensor, before any change, if the
-    pseudo-gradient is not finite."""
-    for name in params:
-        if name in merged and not torch.isfinite(merged[name]).all():
+    gradients cleared. Before any change, raises ValueError naming the tensor if ``merged``
+    lacks a parameter, holds another tensor or has another shape, and FloatingPointError if it
+    is not finite."""
+    if set(merged) != set(params):
+        name = sorted(set(merged) ^ set(params))[0]
+        where = "is not a parameter" if name in merged else "is missing from the merged deltas"
+        raise ValueError(f"pseudo-gradient: tensor {name!r} {where}; params kept")
+    for name, param in params.items():
+        if merged[name].shape != param.shape:
+            raise ValueError(
+                f"pseudo-gradient: tensor {name!r} is {list(merged[name].shape)} but the "
+                f"parameter is {list(param.shape)}; params kept"
+            )
+        if not torch.isfinite(merged[name]).all():
             raise FloatingPointError(f"non-finite pseudo-gradient for {name!r}; params kept")
     for name, param in params.items():
-        if name in merged:
-            param.grad = -merged[name].to(device=param.device, dtype=param.dtype)
+        param.grad = -merged[name].to(device=param.device, dtype=param.dtype)
     outer.step()
     outer.zero_grad(set_to_none=True)
 
@@ -273,6 +294,20 @@ class DiLoCo:
             "outer": copy.deepcopy(self.outer_optimizer.state_dict()),
         }
 
+    def outer_state_tensors(self, saved: Mapping[str, Any]) -> list[tuple[str, str, torch.Tensor]]:
+        """``(name, label, tensor)`` of each per-parameter tensor (not a scalar such as Adam's
+        step) of a saved outer optimizer state, by the parameter it will be loaded into."""
+        names = {id(p): name for name, p in self.params.items()}
+        current = [p for group in self.outer_optimizer.param_groups for p in group["params"]]
+        indices = [i for group in saved.get("param_groups", []) for i in group["params"]]
+        return [
+            (names[id(param)], f"outer {key} of {names[id(param)]!r}", value)
+            for param, index in zip(current, indices, strict=False)
+            if id(param) in names
+            for key, value in saved.get("state", {}).get(index, {}).items()
+            if torch.is_tensor(value) and value.dim() > 0
+        ]
+
     @torch.no_grad()
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`; at a turn boundary the model gets the global parameters
@@ -281,6 +316,11 @@ class DiLoCo:
         if set(saved) != set(self.global_params):
             missing = sorted(set(self.global_params) ^ set(saved))[0]
             raise ValueError(f"DiLoCo state does not fit the model: tensor {missing!r} differs")
+        check_shapes_fit(self.global_params, ((n, f"global {n!r}", saved[n]) for n in saved))
+        for turn, delta in enumerate(state.get("pending", [])):
+            entries = ((n, f"pending turn {turn} {n!r}", t) for n, t in dict(delta).items())
+            check_shapes_fit(self.global_params, entries)
+        check_shapes_fit(self.global_params, self.outer_state_tensors(state["outer"]))
         for name, tensor in self.global_params.items():
             tensor.copy_(saved[name])
         self.local_steps = int(state["local_steps"])
