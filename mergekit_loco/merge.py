@@ -131,6 +131,8 @@ def merge_one(
     """
     base_tensor = inputs.pop(0)
     out_dtype = out_dtype or base_tensor.dtype
+    # never below the base's precision: a float64 base is not rounded through float32
+    compute_dtype = torch.promote_types(compute_dtype, base_tensor.dtype)
     # Deltas are formed against the base in the compute dtype: mixed-dtype kernels are slow.
     base_on_device = base_tensor.to(device=device, dtype=compute_dtype)
     # A method given all T deltas holds them while it runs: the base meanwhile stays in its
@@ -216,9 +218,8 @@ def prefetched_inputs(
     def working_bytes(name: str) -> int:
         numel = max(math.prod(r.shape(name)) for r in readers)
         out_itemsize = (out_dtype or base.dtype(name)).itemsize
-        return input_bytes(name) + numel * (
-            compute_dtype.itemsize * (len(models) + 2) + out_itemsize
-        )
+        compute_itemsize = torch.promote_types(compute_dtype, base.dtype(name)).itemsize
+        return input_bytes(name) + numel * (compute_itemsize * (len(models) + 2) + out_itemsize)
 
     names = base.names()
     budget = max((working_bytes(name) for name in names), default=0)
@@ -284,7 +285,8 @@ def merge_checkpoints(
 
     ``theta = theta_base + scale * method([theta_t - theta_base])`` for every floating tensor of
     the base; other tensors are copied from the base. ``dtype`` is the output dtype of floating
-    tensors (default: the base's); deltas and the merge run in ``compute_dtype`` on ``device``.
+    tensors (default: the base's); deltas and the merge run in ``compute_dtype`` (float64 for a
+    float64 tensor of the base) on ``device``.
     8-bit float inputs (F8_E4M3, F8_E5M2) are merged in ``compute_dtype`` and written back in
     their dtype (a merged value beyond its range is an error, not a silent NaN).
     ``base=None`` is allowed for methods that need none (``mean``): the first model serves as

@@ -82,6 +82,24 @@ def test_mean_without_base_is_mean_of_models(sharded, tmp_path):
     assert (out / "config.json").is_file()  # configs come from the first model
 
 
+def test_float64_checkpoints_are_merged_in_float64(tmp_path):
+    """float64 inputs are not rounded through the float32 compute default: --scale 0 gives the
+    base bit for bit, and ta equals the float64 formula to float64 rounding."""
+    base = {"w": torch.full((3, 2), 1 + 1e-12, dtype=torch.float64)}
+    tuned = [{"w": base["w"] + 1e-13 * (i + 1)} for i in range(2)]
+    paths = [write_state_dict(t, tmp_path / f"m{i}.safetensors") for i, t in enumerate(tuned)]
+    base_path = write_state_dict(base, tmp_path / "base.safetensors")
+    for scale in (0.0, 1.0):
+        out = tmp_path / f"out{scale}.safetensors"
+        merge_checkpoints(paths, base_path, "ta", out, scale=scale, progress=False)
+        merged = load_state_dict(out)["w"]
+        expected = base["w"] + scale * sum(t["w"] - base["w"] for t in tuned)
+        assert merged.dtype == torch.float64
+        torch.testing.assert_close(merged, expected, rtol=0, atol=1e-15)
+        if scale == 0:
+            assert torch.equal(merged, base["w"])
+
+
 def test_integer_tensors_are_copied_from_base(tmp_path):
     base = {"w": torch.ones(2, 3), "position_ids": torch.arange(5)}
     models = [

@@ -24,7 +24,7 @@ from mergekit_loco.cli.common import (
     user_errors,
 )
 
-OUTPUT_DTYPES = ("float32", "bfloat16", "float16")
+OUTPUT_DTYPES = ("float32", "bfloat16", "float16", "float64")
 COMPUTE_DTYPES = ("float32", "float64")
 SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 SIZE_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -162,10 +162,15 @@ def merge(
     ] = None,
     dtype: Annotated[
         str | None,
-        typer.Option(help="Output dtype: float32, bfloat16 or float16 (default: the base's)."),
+        typer.Option(
+            help="Output dtype: float32, bfloat16, float16 or float64 (default: the base's)."
+        ),
     ] = None,
     compute_dtype: Annotated[
-        str, typer.Option(help="Dtype of deltas and merge math: float32 or float64.")
+        str,
+        typer.Option(
+            help="Dtype of deltas and merge math: float32 or float64 (float64 tensors: float64)."
+        ),
     ] = "float32",
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     shard_size: Annotated[
