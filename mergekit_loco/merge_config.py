@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from mergekit_loco.io.files import read_limited
+from mergekit_loco.io.files import brief, read_limited
 from mergekit_loco.merge_checks import same_checkpoint
 from mergekit_loco.methods import METHODS
 
@@ -92,8 +92,9 @@ def read_yaml(path: Path) -> dict:
     text = read_limited(path, MAX_CONFIG_BYTES, "merge config")  # a regular file, bounded
     try:
         config = yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        raise MergeConfigError(f"{path}: not valid YAML ({error})".replace("\n", " ")) from None
+    except (yaml.YAMLError, ValueError) as error:  # ValueError: an int over 4300 digits
+        cause = str(error).replace("\n", " ")[:200]
+        raise MergeConfigError(f"{path}: not valid YAML ({cause})") from None
     if not isinstance(config, dict):
         raise MergeConfigError(f"{path}: expected a mapping with merge_method and models")
     return config
@@ -110,10 +111,14 @@ def scalar(path: Path, where: str, key: str, value: object) -> object:
 
 
 def number(path: Path, key: str, value: object) -> float:
-    """A finite int or float setting (not a bool, a string or a list)."""
-    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
-        raise MergeConfigError(f"{path}: {key} must be a finite number, not {value!r:.40}")
-    return float(value)
+    """A finite int or float setting (not a bool, a string, a list or an int beyond float)."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        try:
+            if math.isfinite(value):
+                return float(value)
+        except OverflowError:
+            pass
+    raise MergeConfigError(f"{path}: {key} must be a finite number, not {brief(value)}")
 
 
 def parse_dtype(path: Path, key: str, value: object) -> torch.dtype:
@@ -197,7 +202,7 @@ def shared_method(path: Path, method: str, entries: list, shared: dict, base) ->
     for flag in ("normalize", "rescale"):
         if flag in settings and not isinstance(settings[flag], bool):
             raise MergeConfigError(
-                f"{path}: {flag} must be true or false, not {settings[flag]!r:.40}"
+                f"{path}: {flag} must be true or false, not {brief(settings[flag])}"
             )
     weights = per_model(path, "weight", entries, shared, {})
     if weights is None:
@@ -236,7 +241,7 @@ def shared_method(path: Path, method: str, entries: list, shared: dict, base) ->
         seed = settings["seed"]
         if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
             raise MergeConfigError(
-                f"{path}: seed must be an integer in [0, 2**63), not {seed!r:.40}"
+                f"{path}: seed must be an integer in [0, 2**63), not {brief(seed)}"
             )
         params["seed"] = seed
         params["consensus"] = method == "dare_ties"
@@ -286,7 +291,7 @@ def load_merge_config(path: str | Path) -> ConfiguredMerge:
         raise MergeConfigError(f"{path}: merge_method {method!r} is not supported (use: {names})")
     base_model = config.get("base_model")
     if base_model is not None and not isinstance(base_model, str):
-        raise MergeConfigError(f"{path}: base_model must be a path, not {base_model!r:.40}")
+        raise MergeConfigError(f"{path}: base_model must be a path, not {brief(base_model)}")
     base = Path(base_model) if base_model is not None else None
     entries = model_entries(path, config)
     if base is not None and method != "linear":

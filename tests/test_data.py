@@ -145,6 +145,9 @@ def test_jsonl_source_one_document_per_line(tmp_path):
     bad.write_text('{"text": "fine"}\n{"body": "no text"}\n')
     with pytest.raises(ValueError, match=r"bad\.jsonl:2"):
         load_documents(str(bad))
+    bad.write_text('{"text": "fine", "n": ' + "9" * 5000 + "}\n")  # beyond int() of a str
+    with pytest.raises(ValueError, match=r"bad\.jsonl:1: expected a JSON object"):
+        load_documents(str(bad))
 
 
 def test_folder_source_is_recursive_sorted_and_text_only(corpus):

@@ -255,6 +255,14 @@ def test_unsupported_configs_are_one_line_errors(
         (("parameters: {'weight': 1}", "parameters: {weight: yes}"), ["must be a finite number"]),
         (("parameters: {'density': 0.5}", "parameters: {lambda: big}"), ["lambda", "'big'"]),
         (("parameters: {'density': 0.5}", "parameters: {normalize: 'no'}"), ["normalize", "'no'"]),
+        (
+            ("parameters: {'weight': 1}", "parameters: {weight: 1" + "0" * 400 + "}"),
+            ["'weight' must be a finite number, not an integer of about 401 digits"],
+        ),
+        (
+            ("parameters: {'weight': 1}", "parameters: {weight: 1" + "0" * 5000 + "}"),
+            ["not valid YAML", "Exceeds the limit"],
+        ),
     ],
 )
 def test_config_values_of_the_wrong_type_are_one_line_errors(
@@ -282,7 +290,7 @@ def test_dare_seed_out_of_range_and_method_parameters_of_the_wrong_type(family, 
     config.write_text(text.replace("'density': 'lots'", "'common_fraction': 'lots'"))
     code, _, err = run_main(capsys, "merge", "--config", config, "-o", tmp_path / "out")
     assert code == 2
-    assert_one_line_error(err, "common_fraction must be a number", "'lots'")
+    assert_one_line_error(err, "common_fraction must be a finite number", "'lots'")
 
 
 def test_mergekit_keys_mloco_lacks_are_named(tmp_path):

@@ -129,7 +129,7 @@ def test_optional_and_tuple_fields_parse(monkeypatch):
         "limit": None,
     }
     assert parse_options("weighted", ["limit=3"]) == {"limit": 3}
-    with pytest.raises(ValueError, match="'x' is not a number"):
+    with pytest.raises(ValueError, match="'x' is not a finite number"):
         parse_options("weighted", ["weights=1,x"])
 
 
@@ -166,7 +166,8 @@ def test_option_errors_name_the_option(method, pairs, fragments):
     "extra, fragments",
     [
         (["--option", "gamma=0.1"], ["--option 'gamma=0.1'", "'ties' does not take 'gamma'"]),
-        (["--option", "density=x"], ["'x' is not a number"]),
+        (["--option", "density=x"], ["'x' is not a finite number"]),
+        (["--option", "weights=nan,1"], ["weights must be a tuple of finite numbers", "nan"]),
         (["--density", "0.3", "--option", "density=0.2"], ["'density' is also given as a flag"]),
     ],
 )

@@ -110,6 +110,30 @@ def test_config_file_then_flags(tmp_path):
 
 
 @pytest.mark.parametrize(
+    ("name", "content", "fragment"),
+    [
+        ("bad.json", b'{"workers": ', "cannot be parsed: Expecting value"),
+        ("bad.toml", b"workers = = 4", "cannot be parsed: "),
+        ("bad.yaml", b"workers: [4", "cannot be parsed: "),
+        ("latin.toml", b'preset = "caf\xe9"', "cannot be parsed: 'utf-8' codec"),
+        ("huge.json", b'{"workers": ' + b"9" * 5000 + b"}", "cannot be parsed: Exceeds the limit"),
+        ("huge.yaml", b"workers: " + b"9" * 5000, "cannot be parsed: Exceeds the limit"),
+        ("list.json", b"[1, 2]", "must hold a table of options"),
+        ("run.ini", b"workers=4", "use .toml, .yaml, .yml or .json"),
+        ("big.yaml", b"#" * (2**20 + 1), "more than a config file may hold"),
+    ],
+)
+def test_a_config_file_that_cannot_be_read_is_one_line_naming_it(tmp_path, name, content, fragment):
+    path = tmp_path / name
+    path.write_bytes(content)
+    result = CliRunner().invoke(app, ["train", "--config", str(path), "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and str(path) in lines[0] and fragment in lines[0], lines
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
     ("overrides", "message"),
     [
         (dict(global_batch=10), "global_batch 10 is not divisible by 4 workers"),

@@ -37,6 +37,14 @@ def shown(value: object) -> str:
     )
 
 
+def brief(value: object, width: int = 40) -> str:
+    """``repr(value)`` cut to ``width`` characters; an integer too long for Python to print
+    (over 4300 digits) or to show is described by its size."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"an integer of about {int(value.bit_length() * 0.30103) + 1} digits"
+    return repr(value)[:width]
+
+
 def kind_of(mode: int) -> str:
     if stat.S_ISDIR(mode):
         return "a folder"

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import types
 import typing
 from collections.abc import Sequence
 
+from mergekit_loco.io.files import brief
 from mergekit_loco.methods.base import MergeMethod
 from mergekit_loco.methods.breadcrumbs import Breadcrumbs
 from mergekit_loco.methods.dare import Dare
@@ -76,7 +78,7 @@ def _parse_value(pair: str, text: str, kind) -> object:
         raise ValueError(f"--option {pair!r}: {text!r} is not {_KINDS[kind]}") from None
 
 
-_KINDS = {int: "an integer", float: "a number", str: "a string"}
+_KINDS = {int: "an integer", float: "a finite number", str: "a string"}
 _BOOLEANS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
@@ -98,7 +100,7 @@ def get_method(name: str, **params) -> MergeMethod:
     for key, value in params.items():
         if not _is_a(value, kinds[key]):
             raise ValueError(
-                f"method {name!r}: {key} must be {_describe(kinds[key])}, not {value!r:.40}"
+                f"method {name!r}: {key} must be {_describe(kinds[key])}, not {brief(value)}"
             )
     return cls(**params)
 
@@ -113,8 +115,12 @@ def _is_a(value: object, kind) -> bool:
         return isinstance(value, tuple) and all(_is_a(item, arguments[0]) for item in value)
     if kind is type(None):
         return value is None
-    if kind is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
+    if kind is float:  # finite: no parameter takes NaN or an infinity
+        return (
+            isinstance(value, int | float)
+            and not isinstance(value, bool)
+            and (isinstance(value, int) or math.isfinite(value))
+        )
     if kind is int:
         return isinstance(value, int) and not isinstance(value, bool)
     return isinstance(value, kind)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mergekit_loco.io.files import read_json, shown
+from mergekit_loco.io.files import read_json, read_limited, shown
 from mergekit_loco.train.config_sections import (
     DEFAULT_TOKENS,
     CheckpointConfig,
@@ -247,33 +247,34 @@ def _coerce(key: str, annotation: Any, value: Any, source: str) -> Any:
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
-    """Keys and values of a ``.toml``, ``.yaml``/``.yml`` or ``.json`` config file."""
+    """Keys and values of a ``.toml``, ``.yaml``/``.yml`` or ``.json`` config file (a regular
+    file of at most 1 MB); any error names the file."""
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"config file {path} does not exist")
-    text = path.read_text()
     suffix = path.suffix.lower()
+    if suffix not in (".toml", ".yaml", ".yml", ".json"):
+        raise ValueError(f"config file {shown(path)}: use .toml, .yaml, .yml or .json")
+    if not path.exists():
+        raise ValueError(f"config file {shown(path)} does not exist")
+    raw = read_limited(path, 2**20, "config file")
     try:
+        text = raw.decode("utf-8")
         if suffix == ".toml":
-            try:
-                import tomllib
-            except ModuleNotFoundError:  # Python 3.10
-                raise ValueError(f"{path}: TOML config files need Python 3.11+") from None
-            values = tomllib.loads(text)
-        elif suffix in (".yaml", ".yml"):
-            import yaml
+            import tomllib
 
-            values = yaml.safe_load(text) or {}
+            values = tomllib.loads(text)
         elif suffix == ".json":
             values = json.loads(text)
         else:
-            raise ValueError(f"config file {path}: use .toml, .yaml, .yml or .json")
-    except ValueError:
-        raise
-    except Exception as error:  # parser errors of three libraries
-        raise ValueError(f"config file {path} cannot be parsed: {error}") from None
+            import yaml
+
+            values = yaml.safe_load(text) or {}
+    except ModuleNotFoundError:  # Python 3.10
+        raise ValueError(f"{shown(path)}: TOML config files need Python 3.11+") from None
+    except Exception as error:  # decoding and the three parsers' errors, huge integers
+        cause = " ".join(str(error).split())[:200]
+        raise ValueError(f"config file {shown(path)} cannot be parsed: {cause}") from None
     if not isinstance(values, dict):
-        raise ValueError(f"config file {path} must hold a table of options")
+        raise ValueError(f"config file {shown(path)} must hold a table of options")
     return values
 
 

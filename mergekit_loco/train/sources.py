@@ -248,7 +248,7 @@ def parse_jsonl_line(path: Path, number: int, line: bytes, offset: int) -> str:
     text = check_text(path, line, offset, codecs.getincrementaldecoder("utf-8")(), final=True)
     try:
         value = json.loads(text)["text"]
-    except (json.JSONDecodeError, KeyError, TypeError, RecursionError):
+    except (ValueError, KeyError, TypeError, RecursionError):  # ValueError: JSON, huge ints
         raise ValueError(
             f'{shown(path)}:{number}: expected a JSON object with a "text" string'
         ) from None
