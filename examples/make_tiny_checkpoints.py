@@ -19,7 +19,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.utils import logging
 
-from mergekit_loco.train.sources import hash_order, load_documents
+from mergekit_loco.train.documents import hash_order
+from mergekit_loco.train.sources import load_documents
 from mergekit_loco.train.tokenizer import EOS_TOKEN, train_tokenizer
 
 VOCAB_SIZE = 512

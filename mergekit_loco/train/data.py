@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,13 +21,8 @@ import torch.nn.functional as F
 from transformers import PreTrainedTokenizerBase
 
 from mergekit_loco.io.atomic import staged_output
-from mergekit_loco.train.sources import (
-    Document,
-    cache_root,
-    fingerprint,
-    hash_order,
-    load_documents,
-)
+from mergekit_loco.train.documents import Document, fingerprint, hash_order
+from mergekit_loco.train.sources import cache_root, load_documents
 from mergekit_loco.train.tokenizer import (
     CACHE_FORMAT,
     batch_encoder,
@@ -147,7 +142,7 @@ def load_token_cache(path: Path) -> dict | None:
 
 
 def _tokenize_split(
-    documents: list[Document],
+    documents: Sequence[Document],
     tokenizer: PreTrainedTokenizerBase,
     eos_id: int,
     spec: str,
@@ -204,7 +199,7 @@ def _int32_tensor(ids: array) -> torch.Tensor:
 
 
 def _encoded_documents(
-    documents: list[Document],
+    documents: Sequence[Document],
     tokenizer: PreTrainedTokenizerBase,
     eos_id: int,
     still_needed: Callable[[], int | None],

@@ -10,7 +10,8 @@ User files are read as hostile input: only regular files, UTF-8 text without NUL
 :data:`SNIFF_BYTES` are checked when the spec is loaded, so a binary file fails at once; the rest
 as it streams), and never whole: a document's text comes in pieces of at most
 :data:`CHUNK_BYTES`, cut after a newline, and a ``.jsonl`` line may hold at most
-:data:`MAX_JSONL_LINE_BYTES`. Memory is bounded by what is tokenized, not by the file size.
+:data:`MAX_JSONL_LINE_BYTES`. Memory is bounded by what is tokenized, not by the file size
+(a ``.jsonl`` line costs 16 bytes until it is read: ``documents.FileLines``).
 """
 
 from __future__ import annotations
@@ -21,8 +22,7 @@ import json
 import os
 import re
 import sysconfig
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from mergekit_loco.io.files import UnsafeInputError, inside, open_regular, shown
@@ -31,6 +31,7 @@ from mergekit_loco.train.debian_formats import (
     read_sword_ztext_chapters,
     split_before,
 )
+from mergekit_loco.train.documents import Corpus, Document, FileLines, in_memory
 
 BUILTIN_SOURCES = ("stdlib", "pydoc", "torchsrc", "austen", "bible")
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl")
@@ -46,24 +47,6 @@ MAX_JSONL_LINE_BYTES = 64 * 2**20
 def cache_root() -> Path:
     """``$MLOCO_CACHE``, else ``~/.cache/mergekit_loco``."""
     return Path(os.environ.get("MLOCO_CACHE", "~/.cache/mergekit_loco")).expanduser()
-
-
-@dataclass(frozen=True)
-class Document:
-    """A named document whose text is read on demand, in pieces of at most :data:`CHUNK_BYTES`
-    (``chunks()``); ``stamp`` changes when the text may."""
-
-    name: str
-    stamp: str
-    chunks: Callable[[], Iterable[str]]
-
-    def read(self) -> str:
-        """The whole text (for small documents and tests; streaming code uses ``chunks``)."""
-        return "".join(self.chunks())
-
-
-def in_memory(name: str, stamp: str, text: str) -> Document:
-    return Document(name, stamp, lambda: (text,))
 
 
 # -- sources ------------------------------------------------------------------------------------
@@ -87,48 +70,51 @@ def split_sources(spec: str) -> list[str]:
     return sources
 
 
-def load_documents(spec: str) -> list[Document]:
+def load_documents(spec: str) -> Corpus:
     """The documents of a comma-separated data spec (:func:`split_sources`), each source in a
     fixed sorted order."""
     parts = split_sources(spec)
     if not spec.strip() or not all(parts):
         raise ValueError(f"data spec {spec!r} has an empty source")
-    documents: list[Document] = []
-    for part in parts:
-        documents.extend(_source_documents(part))
-    seen: set[str] = set()
-    for document in documents:
-        if document.name in seen:
-            raise ValueError(f"data spec {spec!r} includes document {document.name!r} twice")
-        seen.add(document.name)
-    return documents
+    return Corpus((group for part in parts for group in _source_documents(part)), spec)
 
 
-def _source_documents(source: str) -> list[Document]:
+def runs_of_documents(items: Iterable[Document | FileLines]) -> list[Sequence[Document]]:
+    """Consecutive documents as one list, each file of lines as its own part."""
+    parts: list[Sequence[Document]] = []
+    for item in items:
+        if isinstance(item, FileLines):
+            parts.append(item)
+        elif parts and isinstance(parts[-1], list):
+            parts[-1].append(item)
+        else:
+            parts.append([item])
+    return parts
+
+
+def _source_documents(source: str) -> list[Sequence[Document]]:
     if source == "stdlib":
-        return _stdlib_documents()
+        return [_stdlib_documents()]
     if source == "pydoc":
-        return _pydoc_documents()
+        return [_pydoc_documents()]
     if source == "torchsrc":
-        return _torch_source_documents()
+        return [_torch_source_documents()]
     if source == "austen":
-        return _austen_documents()
+        return [_austen_documents()]
     if source == "bible":
-        return _bible_documents()
+        return [_bible_documents()]
     path = Path(source).expanduser()
     if path.is_dir():
         files = folder_files(path)
         root = source.rstrip("/")
-        documents = [
-            document
-            for file in files
-            for document in _file_documents(file, f"{root}/{file.relative_to(path).as_posix()}")
-        ]
-        if not documents:
+        parts = runs_of_documents(
+            _file_documents(file, f"{root}/{file.relative_to(path).as_posix()}") for file in files
+        )
+        if not any(len(part) for part in parts):
             raise ValueError(f"data folder {source!r} holds no {'/'.join(TEXT_SUFFIXES)} files")
-        return documents
+        return parts
     if path.exists():  # a FIFO or device is refused by name here, not read
-        return _file_documents(path, source)
+        return runs_of_documents([_file_documents(path, source)])
     raise ValueError(
         f"unknown data source {source!r}: not one of {', '.join(BUILTIN_SOURCES)} "
         "and no such file or folder"
@@ -155,17 +141,17 @@ def folder_files(folder: Path) -> list[Path]:
     return sorted(files)
 
 
-def _file_documents(path: Path, name: str) -> list[Document]:
-    """One document per text file; one per line (its "text" field) of a ``.jsonl`` file."""
+def _file_documents(path: Path, name: str) -> Document | FileLines:
+    """A text file as one document; a ``.jsonl`` file as one document per line (its "text")."""
     stat = path.stat()
     stamp = f"{stat.st_size}:{stat.st_mtime_ns}"
     sniff_text(path)
     if path.suffix != ".jsonl":
-        return [Document(name, stamp, lambda: stream_text(path))]
-    return [
-        Document(f"{name}:{number}", stamp, lambda offset=offset: (jsonl_text(path, offset),))
-        for number, offset in jsonl_lines(path)
-    ]
+        return Document(name, stamp, lambda: stream_text(path))
+    lines = FileLines(name, stamp, lambda offset: jsonl_text(path, offset))
+    for number, offset in jsonl_lines(path):
+        lines.append(number, offset)
+    return lines
 
 
 def not_text(path: Path, position: int, what: str) -> ValueError:
@@ -274,10 +260,9 @@ def _python_tree_documents(root: Path, prefix: str) -> list[Document]:
         subfolders[:] = [name for name in subfolders if name not in _STDLIB_SKIPPED_DIRS]
         files += [Path(folder, name) for name in names if name.endswith(".py")]
     return [
-        document
+        _file_documents(path, f"{prefix}/{path.relative_to(root).as_posix()}")
         for path in sorted(files, key=lambda path: path.relative_to(root).parts)
         if os.access(path, os.R_OK)
-        for document in _file_documents(path, f"{prefix}/{path.relative_to(root).as_posix()}")
     ]
 
 
@@ -343,18 +328,3 @@ def _bible_documents() -> list[Document]:
         in_memory(f"bible/{chapter}", stamp, text)
         for chapter, text in read_sword_ztext_chapters(module).items()
     ]
-
-
-def fingerprint(documents: Iterable[Document]) -> str:
-    """sha256 over every document's name and stamp: changes when any text may have changed."""
-    digest = hashlib.sha256()
-    for document in documents:
-        digest.update(f"{document.name}\0{document.stamp}\0".encode())
-    return digest.hexdigest()
-
-
-def hash_order(documents: list[Document], salt: str) -> list[Document]:
-    """Documents in the deterministic pseudo-random order of ``sha256(salt, name)``."""
-    return sorted(
-        documents, key=lambda doc: hashlib.sha256(f"{salt}\0{doc.name}".encode()).digest()
-    )

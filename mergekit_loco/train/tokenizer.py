@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -16,13 +16,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 
 from mergekit_loco.io.atomic import staged_output
 from mergekit_loco.io.hf import NO_REMOTE_CODE, check_hf_folder
-from mergekit_loco.train.sources import (
-    Document,
-    cache_root,
-    fingerprint,
-    hash_order,
-    load_documents,
-)
+from mergekit_loco.train.documents import Document, fingerprint, hash_order
+from mergekit_loco.train.sources import cache_root, load_documents
 
 EOS_TOKEN = "<|endoftext|>"
 TOKENIZER_TRAIN_CHARS = 4_000_000
@@ -74,7 +69,7 @@ def load_or_train_tokenizer(
     data_spec: str,
     vocab_size: int = 4096,
     cache_dir: Path | None = None,
-    documents: list[Document] | None = None,
+    documents: Sequence[Document] | None = None,
 ) -> PreTrainedTokenizerFast:
     """The BPE tokenizer of ``data_spec``, trained once and then read from the cache.
 
