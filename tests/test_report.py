@@ -315,6 +315,13 @@ def test_protocol_decisions_by_hand(tmp_path, capsys):
     # doubling from 100 gains 0.5, from 200 0.3, from 400 0.03 < 0.05
     assert decide.flat_horizon(curve, 0.05) == 400
     assert decide.flat_horizon(curve, 0.005) is None  # 800 -> 1600 gains 0.01
+    assert decide.longest_doubled(curve) == 800  # not flat: the longest budget with its double
+    assert decide.longest_doubled([(100, 6.0), (300, 5.0)]) is None
+    # a run validated at 128 tokens (8.0) and finished at 256 (7.0): not flat, so 128
+    write_run(tmp_path / "horizon", "diloco-R4-H2-s900", "diloco", 4, 900, 7.0)
+    assert decide.main(["horizon", str(tmp_path / "horizon")]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "128\n" and "not flat" in captured.err and "at 256" in captured.err
 
     # inner lr: mean of dp, diloco R=2 and R=4 per lr; 2e-3 wins inside the grid
     losses = {1e-3: (3.3, 3.4, 3.5), 2e-3: (3.0, 3.2, 3.1), 4e-3: (3.1, 3.3, 3.6)}
@@ -339,6 +346,10 @@ def test_protocol_decisions_by_hand(tmp_path, capsys):
     assert capsys.readouterr().out == (
         "--outer-lr-grid isoloco=1.8 --outer-momentum-grid isoloco=0.9 --outer-lr-grid tsv=0.6\n"
     )
+    assert decide.main(["flags", str(tmp_path), "--aggregators", "tsv"]) == 0
+    assert capsys.readouterr().out == "--outer-lr-grid tsv=0.6\n"
+    assert decide.main(["flags", str(tmp_path), "--aggregators", "tsv,ties"]) == 1
+    assert "no tuned values for ties" in capsys.readouterr().err
     tuned[1]["grid_edges"] = ["outer lr: lowest tried"]
     (tmp_path / sweep_report.TUNED_FILE).write_text(json.dumps(tuned))
     assert decide.main(["flags", str(tmp_path)]) == 1

@@ -2,7 +2,7 @@
 
     python docs/results/aggregators_tuned.py horizon HORIZON_DIR [--tolerance 0.05]
     python docs/results/aggregators_tuned.py inner INNER_DIR...
-    python docs/results/aggregators_tuned.py flags TUNE_DIR
+    python docs/results/aggregators_tuned.py flags TUNE_DIR [--aggregators A,B]
     python docs/results/aggregators_tuned.py noise EVAL_JSON
     python docs/results/aggregators_tuned.py compute STAGE_DIR...
 
@@ -41,15 +41,36 @@ def flat_horizon(curve: list[tuple[int, float]], tolerance: float) -> int | None
     return None
 
 
+def longest_doubled(curve: list[tuple[int, float]]) -> int | None:
+    """The most tokens ``t`` on the curve whose double ``2t`` is on it too (None if none)."""
+    tokens = {t for t, _ in curve}
+    return max((t for t in tokens if 2 * t in tokens), default=None)
+
+
 def horizon(folder: str, tolerance: float) -> int:
+    """The budget: the flat point of DiLoCo's curve (:func:`flat_horizon`); where the curve does
+    not flatten within the run (the data's training tokens, seen once), the longest budget
+    whose double the run reached, so that stage 6 can test the verdicts at twice the budget on
+    data never seen twice."""
     [run] = [r for r in load_runs(folder) if r.aggregator == "diloco" and r.status == "finished"]
     for tokens, loss in run.val_curve:
         say(f"{run.name}: {tokens:>10,} tokens  val loss {loss:.4f}")
     tokens = flat_horizon(list(run.val_curve), tolerance)
+    if tokens is not None:
+        say(f"doubling from {tokens:,} tokens gains < {tolerance} nats")
+        print(tokens)
+        return 0
+    tokens = longest_doubled(list(run.val_curve))
     if tokens is None:
-        say(f"not flat: no doubling gains < {tolerance} nats; rerun with more --tokens")
+        say("no point of the curve has its double on it: validate more often (--eval-every)")
         return 1
-    say(f"doubling from {tokens:,} tokens gains < {tolerance} nats")
+    losses = dict(run.val_curve)
+    gain = losses[tokens] - losses[2 * tokens]
+    say(
+        f"not flat: no doubling gains < {tolerance} nats (from {tokens:,} tokens: {gain:.3f}); "
+        f"the budget is the longest whose double the data holds, {tokens:,} tokens, and "
+        f"stage 6 checks the verdicts at {2 * tokens:,}"
+    )
     print(tokens)
     return 0
 
@@ -81,9 +102,17 @@ def run_config_lr(folder: str) -> float:
     return lrs.pop()
 
 
-def flags(folder: str) -> int:
-    """``--outer-lr-grid name=lr ... --outer-momentum-grid name=m ...`` of tuned.json."""
+def flags(folder: str, aggregators: str | None = None) -> int:
+    """``--outer-lr-grid name=lr ... --outer-momentum-grid name=m ...`` of tuned.json (of the
+    comma-separated ``aggregators`` only, when given)."""
     tuned = json.loads((Path(folder) / TUNED_FILE).read_text())
+    if aggregators is not None:
+        wanted = aggregators.split(",")
+        missing = sorted(set(wanted) - {entry["aggregator"] for entry in tuned})
+        if missing:
+            say(f"{folder}: {TUNED_FILE} holds no tuned values for {', '.join(missing)}")
+            return 1
+        tuned = [entry for entry in tuned if entry["aggregator"] in wanted]
     words, edges = [], []
     for entry in tuned:
         say(f"{entry['aggregator']}: outer lr {entry['outer_lr']:g}, momentum "
@@ -155,7 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     found.add_argument("folder")
     found.add_argument("--tolerance", type=float, default=0.05)
     commands.add_parser("inner").add_argument("folders", nargs="+")
-    commands.add_parser("flags").add_argument("folder")
+    found = commands.add_parser("flags")
+    found.add_argument("folder")
+    found.add_argument("--aggregators", help="comma-separated: only these aggregators' flags")
     commands.add_parser("noise").add_argument("path")
     commands.add_parser("compute").add_argument("folders", nargs="+")
     arguments = parser.parse_args(argv)
@@ -167,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         return noise(arguments.path)
     if arguments.command == "compute":
         return compute(arguments.folders)
-    return flags(arguments.folder)
+    return flags(arguments.folder, arguments.aggregators)
 
 
 if __name__ == "__main__":

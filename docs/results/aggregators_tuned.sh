@@ -76,3 +76,13 @@ mloco compare --aggregators "$AGGREGATORS" --workers 2,4,8,16 --seeds "$REPORT_S
   $SHARED --tokens "$TOKENS" $INNER $TUNED -o "$WORK/report"
 mloco report "$WORK/report"
 python "$HERE/aggregator_claims.py" "$WORK/report"
+
+# 6. Doubling check: the claims' core cells (averaging and Iso-C, with and without momentum)
+#    at twice the budget, same tuned values and seeds: do the verdicts of stage 5 hold when
+#    training goes twice as far? (With T at half the data, still no token is seen twice.)
+DOUBLED=diloco,diloco-sgd,isoloco,isoc-sgd
+TUNED_DOUBLED=$(decide flags "$WORK/tune" --aggregators "$DOUBLED")
+# shellcheck disable=SC2086
+mloco compare --aggregators "$DOUBLED" --workers 2,8 --seeds "$REPORT_SEEDS" $SHARED \
+  --tokens $((2 * TOKENS)) $INNER $TUNED_DOUBLED -o "$WORK/doubling"
+python "$HERE/aggregator_claims.py" "$WORK/doubling"
