@@ -86,6 +86,12 @@ def all_finite(tensor: torch.Tensor) -> bool:
     return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
 
 
+def at_least(compute_dtype: torch.dtype, dtype: torch.dtype) -> torch.dtype:
+    """The compute dtype for a tensor of ``dtype``: never below its precision (a float64 base is
+    not rounded through float32; torch has no promotion rules for 8-bit floats)."""
+    return dtype if dtype.itemsize > compute_dtype.itemsize else compute_dtype
+
+
 def read_finite(reader: CheckpointReader, name: str) -> torch.Tensor:
     """``reader.get(name)``, raising if a floating tensor holds NaN or Inf."""
     tensor = reader.get(name)
@@ -131,8 +137,7 @@ def merge_one(
     """
     base_tensor = inputs.pop(0)
     out_dtype = out_dtype or base_tensor.dtype
-    # never below the base's precision: a float64 base is not rounded through float32
-    compute_dtype = torch.promote_types(compute_dtype, base_tensor.dtype)
+    compute_dtype = at_least(compute_dtype, base_tensor.dtype)
     # Deltas are formed against the base in the compute dtype: mixed-dtype kernels are slow.
     base_on_device = base_tensor.to(device=device, dtype=compute_dtype)
     # A method given all T deltas holds them while it runs: the base meanwhile stays in its
@@ -218,7 +223,7 @@ def prefetched_inputs(
     def working_bytes(name: str) -> int:
         numel = max(math.prod(r.shape(name)) for r in readers)
         out_itemsize = (out_dtype or base.dtype(name)).itemsize
-        compute_itemsize = torch.promote_types(compute_dtype, base.dtype(name)).itemsize
+        compute_itemsize = at_least(compute_dtype, base.dtype(name)).itemsize
         return input_bytes(name) + numel * (compute_itemsize * (len(models) + 2) + out_itemsize)
 
     names = base.names()
