@@ -134,3 +134,23 @@ def test_val_sets_are_disjoint_slices_and_their_spread(model_folder, corpus, cap
         cli.main(["eval", str(model_folder), "--data", corpus, "--val-sets", "0"])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == "error: --val-sets must be >= 1, got 0\n"
+
+
+def test_plus_joins_sources_into_the_one_dataset_training_reads(model_folder, corpus, capsys):
+    """``--data a,b`` is two datasets; ``--data a+b`` is the corpus ``train --data a,b`` holds
+    out from, so its loss is that of ``held_out_tokens("a,b")``, computed directly."""
+    second = Path(corpus).parent / "second"
+    second.mkdir()
+    for doc in range(10):
+        (second / f"{doc}.txt").write_text("ten nine eight seven six five four\n" * (20 + doc))
+    spec = f"{corpus},{second}"
+    expected, _ = direct_loss(model_folder, held_out_tokens(spec, model_folder, TOKENS))
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["eval", str(model_folder), "--data", f"{corpus}+{second}", "--tokens",
+                  str(TOKENS), "--seq-len", str(SEQ_LEN), "--json"])  # fmt: skip
+    assert exited.value.code == 0
+    [record] = json.loads(capsys.readouterr().out)
+    assert record["data"] == spec and math.isclose(record["loss"], expected, rel_tol=1e-5)
+    with pytest.raises(SystemExit):
+        cli.main(["eval", str(model_folder), "--data", spec, "--tokens", "200", "--json"])
+    assert [r["data"] for r in json.loads(capsys.readouterr().out)] == [corpus, str(second)]

@@ -357,7 +357,7 @@ def test_protocol_decisions_by_hand(tmp_path, capsys):
 
     # evaluation noise: model b is model a + (0.1, 0.3, 0.2, 0.4) on four parts
     a_losses, shifts = (4.0, 5.0, 3.0, 6.0), (0.1, 0.3, 0.2, 0.4)
-    records = [{"model": name, "val_set": k, "loss": loss}
+    records = [{"model": name, "data": "a+b", "val_set": k, "loss": loss}
                for name, losses in (("a", a_losses),
                                     ("b", [x + d for x, d in zip(a_losses, shifts, strict=True)]))
                for k, loss in enumerate(losses)]  # fmt: skip
@@ -365,6 +365,11 @@ def test_protocol_decisions_by_hand(tmp_path, capsys):
     assert decide.main(["noise", str(tmp_path / "noise.json")]) == 0
     # shifts: mean 0.25, sample sd sqrt(((.15)^2 + (.05)^2 * 2 + (.15)^2) / 3) = 0.1291; se / 2
     assert capsys.readouterr().out == "0.0645\n"
+    # records of two datasets (eval --data a,b where the run trained on a,b) are refused
+    records.append({**records[0], "data": "c"})
+    (tmp_path / "noise.json").write_text(json.dumps(records))
+    assert decide.main(["noise", str(tmp_path / "noise.json")]) == 1
+    assert "records of 2 datasets (a+b, c)" in capsys.readouterr().err
 
 
 def test_protocol_compute_sums_round_seconds(tmp_path, capsys):

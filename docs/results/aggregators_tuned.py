@@ -136,6 +136,13 @@ def noise(path: str) -> int:
     (the noise of a paired comparison on the whole validation set, which is what the report's
     differences are). Prints the largest paired standard error."""
     records = json.loads(Path(path).read_text())
+    datasets = sorted({record["data"] for record in records})
+    if len(datasets) != 1:
+        say(
+            f"{path}: records of {len(datasets)} datasets ({', '.join(datasets)}); evaluate on "
+            "the training spec as one dataset (mloco eval --data a+b for train --data a,b)"
+        )
+        return 1
     parts: dict[str, dict[int, float]] = {}
     for record in records:
         parts.setdefault(record["model"], {})[record["val_set"]] = record["loss"]

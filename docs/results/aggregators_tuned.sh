@@ -35,7 +35,7 @@ TOKENS=$(decide horizon "$WORK/horizon")
 #    parts of the shared validation set; the sd / sqrt(8) of their per-part difference is the
 #    noise of one paired comparison on the whole set (printed, saved in eval_noise.json).
 mloco eval "$WORK/horizon/runs/dp-s${TUNING_SEED%,}/final" \
-  "$WORK/horizon/runs/diloco-R8-H10-s${TUNING_SEED%,}/final" --data stdlib,torchsrc \
+  "$WORK/horizon/runs/diloco-R8-H10-s${TUNING_SEED%,}/final" --data stdlib+torchsrc \
   --tokens 32768 --val-sets 8 --seed 1000 --json > "$WORK/eval_noise.json"
 decide noise "$WORK/eval_noise.json"
 

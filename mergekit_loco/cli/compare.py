@@ -36,6 +36,15 @@ def split_list(option: str, text: str | None, kind: type = str) -> list:
         ) from None
 
 
+def split_datasets(option: str, text: str | None) -> list[str]:
+    """``"stdlib,pydoc"`` -> two datasets; ``"stdlib+torchsrc"`` -> one dataset of both sources,
+    the spec ``train --data stdlib,torchsrc`` reads (an existing path is taken as it is)."""
+    return [
+        item if Path(item).expanduser().exists() else item.replace("+", ",")
+        for item in split_list(option, text)
+    ]
+
+
 def parse_seeds(text: str) -> tuple[int, ...]:
     """``"3"`` -> seeds 0, 1, 2 (a count); ``"101,202"`` or ``"7,"`` -> those seeds (a list)."""
     seeds = split_list("--seeds", text, int)
@@ -105,7 +114,7 @@ def compare_command(
         str | None,
         typer.Option(
             help="aggregators: the training data spec (default stdlib). merge: one domain per "
-            "fine-tune, comma-separated, in --finetuned order."
+            "fine-tune, comma-separated, in --finetuned order (+ joins sources into one)."
         ),
     ] = None,
     vocab_size: Annotated[
@@ -158,7 +167,7 @@ def compare_command(
         compare_merges(
             base=base,
             finetuned=split_list("--finetuned", finetuned),
-            data=split_list("--data", data),
+            data=split_datasets("--data", data),
             methods=split_list("--methods", methods),
             scales=split_list("--scales", scales, float),
             out=output,
@@ -228,7 +237,13 @@ def eval_command(
     models: Annotated[
         list[Path], typer.Argument(help="Checkpoints: HF folders or .safetensors files.")
     ],
-    data: Annotated[str, typer.Option(help="Data specs, comma-separated (stdlib, pydoc, paths).")],
+    data: Annotated[
+        str,
+        typer.Option(
+            help="Datasets, comma-separated (stdlib, pydoc, paths); + joins the sources of one "
+            "(stdlib+torchsrc: the corpus of train --data stdlib,torchsrc)."
+        ),
+    ],
     tokens: Annotated[int, typer.Option(help="Held-out tokens per dataset.")] = 65536,
     seq_len: Annotated[int, typer.Option(help="Tokens per evaluated window.")] = 128,
     tokenizer: Annotated[
@@ -251,7 +266,7 @@ def eval_command(
 
     results = evaluate.evaluate_models(
         models,
-        split_list("--data", data),
+        split_datasets("--data", data),
         tokens=tokens,
         seq_len=seq_len,
         tokenizer=tokenizer,
