@@ -230,6 +230,20 @@ def test_a_state_of_other_shapes_is_refused_before_anything_changes():
     assert target.outer_steps == 0 and not target.outer_optimizer.state
 
 
+def test_simulated_workers_must_be_distinct_and_step_in_turn():
+    model = torch.nn.Linear(4, 2)
+    first, second = (torch.optim.SGD(model.parameters(), lr=0.1) for _ in range(2))
+    outer = torch.optim.SGD(model.parameters(), lr=0.7)
+    with pytest.raises(ValueError, match="lists one optimizer twice"):
+        ml.DiLoCo(model, [first, first], outer, sync_every=2)
+    driver = ml.DiLoCo(model, [first, second], outer, sync_every=2)
+    with driver:
+        model(torch.ones(1, 4)).sum().backward()
+        first.step()
+        with pytest.raises(RuntimeError, match="inner optimizer 1 stepped during worker 0's turn"):
+            second.step()
+
+
 def test_exclude_takes_any_name_of_a_tied_weight():
     """A weight tied under two names (head.weight is embed.weight) is excluded by either."""
     model = torch.nn.ModuleDict({"embed": torch.nn.Embedding(5, 3), "head": torch.nn.Linear(3, 5)})

@@ -17,6 +17,7 @@ One outer step, for the trainable parameters theta (frozen ones and ``exclude`` 
 from __future__ import annotations
 
 import copy
+import functools
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -105,7 +106,8 @@ class DiLoCo:
     ``inner_optimizer`` may be a sequence of V optimizers over the same ``model``: V simulated
     workers on this rank that take turns of ``sync_every`` steps each, in order; after each turn
     the model is reset to the global parameters, and after the V-th the V deltas (with every
-    other rank's) are aggregated. One optimizer is one worker. Workers per outer step:
+    other rank's) are aggregated. One optimizer is one worker (the same one twice, or a step of
+    one out of its turn, is an error). Workers per outer step:
     ``R = V * world size of process_group`` (no initialised torch.distributed: one rank).
 
     ``backup_device`` keeps the global parameters (and so the deltas' reference) on another
@@ -169,6 +171,11 @@ class DiLoCo:
         self.inner_optimizers = (
             list(inner_optimizer) if isinstance(inner_optimizer, Sequence) else [inner_optimizer]
         )
+        if len({id(o) for o in self.inner_optimizers}) != len(self.inner_optimizers):
+            raise ValueError(
+                "inner_optimizer lists one optimizer twice: each simulated worker needs its own "
+                "(its steps would count for two workers)"
+            )
         self.outer_optimizer = outer_optimizer
         self.method = resolve_aggregator(aggregator, aggregator_options)
         self.sync_every = sync_every
@@ -196,8 +203,8 @@ class DiLoCo:
         if not self._started:  # weights loaded after construction are the starting point
             self.snapshot_global()
         self._hooks = [
-            optimizer.register_step_post_hook(self._after_inner_step)
-            for optimizer in self.inner_optimizers
+            optimizer.register_step_post_hook(functools.partial(self._after_inner_step, worker))
+            for worker, optimizer in enumerate(self.inner_optimizers)
         ]
         return self
 
@@ -206,7 +213,13 @@ class DiLoCo:
             handle.remove()
         self._hooks = []
 
-    def _after_inner_step(self, optimizer, args, kwargs) -> None:
+    def _after_inner_step(self, worker: int, optimizer, args, kwargs) -> None:
+        turn = len(self.pending)
+        if worker != turn:
+            raise RuntimeError(
+                f"inner optimizer {worker} stepped during worker {turn}'s turn: the simulated "
+                f"workers take turns in order, {self.sync_every} steps each"
+            )
         self._started = True
         self.local_steps += 1
         if self.local_steps == self.sync_every:
