@@ -76,7 +76,8 @@ def test_validation_holds_out_whole_documents(corpus, tmp_path):
     assert prepared.val.numel() == 150
     assert len(prepared.val_documents) >= 2
     held_out = [
-        (corpus / name.removeprefix(f"{corpus}/")).read_text() for name in prepared.val_documents
+        (corpus / name.removeprefix(f"{corpus.name}/")).read_text()
+        for name in prepared.val_documents
     ]
     decoded_val = prepared.tokenizer.decode(prepared.val)
     full = "<|endoftext|>".join(held_out) + "<|endoftext|>"
@@ -88,6 +89,17 @@ def test_validation_holds_out_whole_documents(corpus, tmp_path):
     assert train_documents + len(prepared.val_documents) == 40
     other_seed = _prepare(corpus, tmp_path / "cache", val_tokens=150, seed=1)
     assert other_seed.val_documents != prepared.val_documents
+
+
+def test_the_split_does_not_depend_on_how_the_path_is_spelt(corpus, tmp_path, monkeypatch):
+    """``corpus``, ``./corpus/`` and the absolute path name the documents alike, so they hold
+    out the same documents and train on the same tokens."""
+    monkeypatch.chdir(corpus.parent)
+    spellings = [str(corpus), corpus.name, f"./{corpus.name}/", f"{corpus.name}/../{corpus.name}"]
+    prepared = [_prepare(spec, tmp_path / "cache", val_tokens=150) for spec in spellings]
+    assert all(p.val_documents == prepared[0].val_documents for p in prepared)
+    assert all(torch.equal(p.train, prepared[0].train) for p in prepared)
+    assert prepared[0].val_documents[0].startswith(f"{corpus.name}/")
 
 
 def test_max_train_tokens_cuts_exactly_and_reports_shortfall(corpus, tmp_path):
@@ -160,6 +172,12 @@ def test_folder_source_is_recursive_sorted_and_text_only(corpus):
     assert len(mixed) == 41 and mixed[-1].read() == "# one more\n"
     with pytest.raises(ValueError, match="doc000.txt' twice"):
         load_documents(f"{corpus},{corpus / 'part0' / 'doc000.txt'}")
+    twin = corpus.parent / "twin" / corpus.name  # another folder of the same name
+    twin.mkdir(parents=True)
+    (twin / "part0").mkdir()
+    (twin / "part0" / "doc000.txt").write_text("another text\n")
+    with pytest.raises(ValueError, match=f"two documents named '{corpus.name}/part0/doc000.txt'"):
+        load_documents(f"{corpus},{twin}")
 
 
 def test_a_path_with_commas_in_its_name_is_one_source(tmp_path, monkeypatch):

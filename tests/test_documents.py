@@ -35,7 +35,7 @@ def test_hash_order_is_the_sort_of_the_digests():
 
 
 def test_a_corpus_indexes_its_parts_as_one_list():
-    lines = FileLines("notes.jsonl", "1:2", lambda offset: f"line at {offset}")
+    lines = FileLines("notes.jsonl", "1:2", lambda offset: f"line at {offset}", "/d/notes.jsonl")
     for number, offset in ((1, 0), (3, 40), (4, 75)):
         lines.append(number, offset)
     first = [in_memory(f"a{i}", "s", f"text {i}") for i in range(2)]
@@ -49,8 +49,12 @@ def test_a_corpus_indexes_its_parts_as_one_list():
     assert fingerprint(corpus) == fingerprint([corpus[i] for i in range(6)])
     with pytest.raises(ValueError, match="includes document 'notes.jsonl:1' twice"):
         Corpus([lines, first, lines], "spec")
-    with pytest.raises(ValueError, match="includes document 'a1' twice"):
-        Corpus([first, first[1:]], "spec")
+    with pytest.raises(ValueError, match="two documents named 'a1'"):
+        Corpus([first, first[1:]], "spec")  # in memory: no file, so a name clash
+    renamed = FileLines("other.jsonl", "1:2", lines.read_line, "/d/notes.jsonl")
+    renamed.append(1, 0)
+    with pytest.raises(ValueError, match="includes document 'other.jsonl:1' twice"):
+        Corpus([lines, renamed], "spec")  # one file under two names
 
 
 def test_a_jsonl_of_many_short_lines_is_held_in_bytes_per_line(tmp_path):

@@ -20,11 +20,12 @@ import numpy as np
 @dataclass(frozen=True, slots=True)
 class Document:
     """A named document whose text is read on demand, in pieces (``chunks()``); ``stamp``
-    changes when the text may."""
+    changes when the text may; ``origin`` is the file it comes from, resolved ("" if none)."""
 
     name: str
     stamp: str
     chunks: Callable[[], Iterable[str]]
+    origin: str = ""
 
     def read(self) -> str:
         """The whole text (for small documents and tests; streaming code uses ``chunks``)."""
@@ -60,8 +61,8 @@ class FileLines(DocumentSequence):
     """The documents of one file, one per line: ``name:NUMBER`` for each line number, its text
     ``read_line(offset)``; 16 bytes a document until one is read."""
 
-    def __init__(self, name: str, stamp: str, read_line: Callable[[int], str]):
-        self.name, self.stamp, self.read_line = name, stamp, read_line
+    def __init__(self, name: str, stamp: str, read_line: Callable[[int], str], origin: str = ""):
+        self.name, self.stamp, self.read_line, self.origin = name, stamp, read_line, origin
         self.numbers, self.offsets = array("q"), array("q")
 
     def append(self, number: int, offset: int) -> None:
@@ -73,29 +74,42 @@ class FileLines(DocumentSequence):
 
     def document(self, index: int) -> Document:
         offset = self.offsets[index]
+        number = self.numbers[index]
         return Document(
-            f"{self.name}:{self.numbers[index]}", self.stamp, lambda: (self.read_line(offset),)
+            f"{self.name}:{number}",
+            self.stamp,
+            lambda: (self.read_line(offset),),
+            f"{self.origin}:{number}" if self.origin else "",
         )
 
 
 class Corpus(DocumentSequence):
     """The documents of several sources, one after the other; each part is a list of documents
-    or one file's lines. No document may appear twice (a file's lines count as the file)."""
+    or one file's lines. No file may be read twice (a folder and a file in it), and no two
+    documents may share a name (two folders of one name): names decide the split."""
 
     def __init__(self, parts: Iterable[Sequence[Document]], spec: str):
         self.parts = [part for part in parts if len(part)]
         self.ends, total = [], 0
-        seen: set[str] = set()
+        names: set[str] = set()
+        origins: set[str] = set()
         for part in self.parts:
             total += len(part)
             self.ends.append(total)
-            named = [(part.name, part[0])] if isinstance(part, FileLines) else None
-            for key, document in named or ((d.name, d) for d in part):
-                if key in seen:
+            whole = [(part.name, part.origin, part[0])] if isinstance(part, FileLines) else None
+            for name, origin, document in whole or ((d.name, d.origin, d) for d in part):
+                if origin and origin in origins:
                     raise ValueError(
                         f"data spec {spec!r} includes document {document.name!r} twice"
                     )
-                seen.add(key)
+                if name in names:
+                    raise ValueError(
+                        f"data spec {spec!r} has two documents named {document.name!r} (two "
+                        "sources of one name?); rename one folder or file"
+                    )
+                names.add(name)
+                if origin:
+                    origins.add(origin)
 
     def __len__(self) -> int:
         return self.ends[-1] if self.ends else 0

@@ -104,9 +104,11 @@ def _source_documents(source: str) -> list[Sequence[Document]]:
     if source == "bible":
         return [_bible_documents()]
     path = Path(source).expanduser()
+    # a user's documents are named by the folder's or file's own name and the path inside it,
+    # however the path was typed (data, ./data/, /home/me/data): the names decide the split
+    root = path.resolve().name
     if path.is_dir():
         files = folder_files(path)
-        root = source.rstrip("/")
         parts = runs_of_documents(
             _file_documents(file, f"{root}/{file.relative_to(path).as_posix()}") for file in files
         )
@@ -114,7 +116,7 @@ def _source_documents(source: str) -> list[Sequence[Document]]:
             raise ValueError(f"data folder {source!r} holds no {'/'.join(TEXT_SUFFIXES)} files")
         return parts
     if path.exists():  # a FIFO or device is refused by name here, not read
-        return runs_of_documents([_file_documents(path, source)])
+        return runs_of_documents([_file_documents(path, root)])
     raise ValueError(
         f"unknown data source {source!r}: not one of {', '.join(BUILTIN_SOURCES)} "
         "and no such file or folder"
@@ -146,9 +148,10 @@ def _file_documents(path: Path, name: str) -> Document | FileLines:
     stat = path.stat()
     stamp = f"{stat.st_size}:{stat.st_mtime_ns}"
     sniff_text(path)
+    origin = str(path.resolve())
     if path.suffix != ".jsonl":
-        return Document(name, stamp, lambda: stream_text(path))
-    lines = FileLines(name, stamp, lambda offset: jsonl_text(path, offset))
+        return Document(name, stamp, lambda: stream_text(path), origin)
+    lines = FileLines(name, stamp, lambda offset: jsonl_text(path, offset), origin)
     for number, offset in jsonl_lines(path):
         lines.append(number, offset)
     return lines
