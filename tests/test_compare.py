@@ -275,6 +275,18 @@ def test_merge_comparison_end_to_end(tmp_path, domains):
     before = (tmp_path / "cmp" / "merged" / "ties-1").stat().st_mtime_ns
     render([tmp_path / "cmp"], figures=False)
     assert (tmp_path / "cmp" / "merged" / "ties-1").stat().st_mtime_ns == before
+    merges.compare_merges(base.out / "final", finetuned, domains, ["ties"], [1.0],
+                          tmp_path / "cmp", eval_tokens=1024, seq_len=32)  # fmt: skip
+    assert (tmp_path / "cmp" / "merged" / "ties-1").stat().st_mtime_ns == before
+    # ... but a merge of other fine-tunes is never taken for this one's
+    other = [finetuned[1], finetuned[0], finetuned[2]]
+    rerun = (base.out / "final", other, [domains[1], domains[0], domains[2]], ["ties"], [1.0],
+             tmp_path / "cmp")  # fmt: skip
+    with pytest.raises(ValueError, match="made from other checkpoints.*--force"):
+        merges.compare_merges(*rerun, eval_tokens=1024, seq_len=32)
+    assert (tmp_path / "cmp" / "merged" / "ties-1").stat().st_mtime_ns == before
+    merges.compare_merges(*rerun, eval_tokens=1024, seq_len=32, force=True)
+    assert (tmp_path / "cmp" / "merged" / "ties-1").stat().st_mtime_ns != before
 
 
 def test_merge_mode_checks_its_inputs(tmp_path):

@@ -16,12 +16,35 @@ from rich.console import Console
 from mergekit_loco import evaluate
 from mergekit_loco.compare.merge_report import EVALUATIONS, MergeRow, report_merges
 from mergekit_loco.io.atomic import check_results_folder, claim_folder, write_atomically
+from mergekit_loco.io.files import read_json
 from mergekit_loco.merge import merge_checkpoints
 from mergekit_loco.methods import get_method
 from mergekit_loco.train.sources import BUILTIN_SOURCES
 
 MERGED = "merged"
+#: label -> the inputs each merge under ``merged/`` was made from (see :func:`recipe`)
+RECIPES = "merges.json"
 DEFAULT_EVAL_SEQ_LEN = 128
+
+
+def stamp(path: str | Path) -> list[str]:
+    """What identifies a checkpoint's content cheaply: for its weights, index and config files
+    (the file itself, or those in its folder), the resolved path, size and mtime."""
+    path = Path(path).expanduser().resolve()
+    files = [path] if path.is_file() else sorted(
+        file for file in path.iterdir()
+        if file.suffix in (".safetensors", ".json") and file.is_file()
+    )  # fmt: skip
+    return [f"{file}:{file.stat().st_size}:{file.stat().st_mtime_ns}" for file in files]
+
+
+def recipe(base, finetuned, method: str, scale: float) -> dict:
+    return {
+        "base": stamp(base),
+        "finetuned": [stamp(path) for path in finetuned],
+        "method": method,
+        "scale": scale,
+    }
 
 
 def merge_label(method: str, scale: float) -> str:
@@ -49,10 +72,12 @@ def compare_merges(
     merge on every domain's held-out tokens (split in halves: ``select`` chooses each method's
     scale, ``test`` is reported), save ``out/evaluations.json`` and write the report.
 
-    Existing merges are reused unless ``force``. ``seed`` is the data seed the fine-tunes were
-    trained with (it decides the held-out documents); ``eval_tokens`` should not exceed their
-    ``val_tokens``. Every input is checked before ``out`` is created, and ``out`` must be new,
-    empty or written by mloco (:func:`mergekit_loco.io.atomic.check_results_folder`).
+    Existing merges are reused unless ``force``, and only if ``merges.json`` says they were
+    made from these checkpoints as they are now (path, size and mtime of their files).
+    ``seed`` is the data seed the fine-tunes were trained with (it decides the held-out
+    documents); ``eval_tokens`` should not exceed their ``val_tokens``. Every input is checked
+    before ``out`` is created, and ``out`` must be new, empty or written by mloco
+    (:func:`mergekit_loco.io.atomic.check_results_folder`).
     """
     out = Path(out)
     console = console or Console(quiet=True)
@@ -88,14 +113,27 @@ def compare_merges(
     models = {"base": (str(base), "base", None, None)}
     for path, domain in zip(finetuned, data, strict=True):
         models[f"finetune:{domain}"] = (str(path), "finetuned", None, None)
+    recipes_file = out / RECIPES
+    recipes = read_json(recipes_file, "merge recipes") if recipes_file.exists() else {}
+    if not isinstance(recipes, dict):
+        raise ValueError(f"{recipes_file}: not a JSON object; delete it and add --force")
     for method in methods:
         for scale in scales:
             label = merge_label(method, scale)
             target = out / MERGED / label
+            wanted = recipe(base, finetuned, method, scale)
+            if target.exists() and not force and recipes.get(label) != wanted:
+                raise ValueError(
+                    f"{target}: this merge was made from other checkpoints than --base and "
+                    "--finetuned name now (or they changed since); add --force to merge again, "
+                    "or choose another -o"
+                )
             if force or not target.exists():
                 console.print(f"merging {label}")
                 merge_checkpoints(finetuned, base, method, target, scale=scale, force=force,
                                   progress=False)  # fmt: skip
+                recipes[label] = wanted
+                write_atomically(recipes_file, json.dumps(recipes, indent=2) + "\n")
             models[label] = (str(target), "merge", method, scale)
 
     records = []
