@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -130,3 +131,28 @@ def test_a_cache_folder_inside_the_data_is_refused(capsys, tmp_path, corpus, mon
     assert_refused(code, err, str(cache), "the cache folder ($MLOCO_CACHE) lies inside the input",
                    str(data))  # fmt: skip
     assert snapshot(tmp_path) == before
+
+
+def test_resume_refuses_data_that_changed_since_the_checkpoint(capsys, tmp_path, corpus):
+    """The run's checkpoint records a digest of its documents and tokenizer: the same --data
+    path holding edited files is refused, the unchanged data resumes."""
+    data = tmp_path / "data"
+    shutil.copytree(corpus, data)
+    run = tmp_path / "run"
+    args = ["train", *TRAIN, f"--data={data}", f"--out={run}", "--checkpoint-every=1"]
+    code, err, _ = run_cli(capsys, *args, "--stop-after=1")
+    assert code in (0, None), err
+    state = json.loads((run / "checkpoints" / "round-000001" / "state.json").read_text())
+    assert len(state["data"]) == 64
+    edited = sorted(data.rglob("*.py"))[0]
+    original, times = edited.read_text(), edited.stat()
+    edited.write_text(original + "\n# one more line\n")
+    before = snapshot(tmp_path)
+    code, err, _ = run_cli(capsys, "train", f"--out={run}", "--resume")
+    assert_refused(code, err, "round-000001", "trained on other data than --data", str(data))
+    assert snapshot(tmp_path) == before
+    edited.write_text(original)  # the data as it was, times included: the run resumes
+    os.utime(edited, ns=(times.st_atime_ns, times.st_mtime_ns))
+    code, err, _ = run_cli(capsys, "train", f"--out={run}", "--resume")
+    assert code in (0, None), err
+    assert (run / "final" / "model.safetensors").is_file()

@@ -2,7 +2,7 @@
 
 A checkpoint after k completed rounds holds:
 
-- ``state.json``: round k, the resolved config, world size (rank 0)
+- ``state.json``: round k, the resolved config, world size, the data's digest (rank 0)
 - ``global.safetensors``: the global parameters theta, float32 (rank 0)
 - ``shared.pt``: the optimizer state every process shares: ``OuterOptimizer.state_dict()``
   (DiLoCo) or the one AdamW + schedule (data-parallel mode) (rank 0)
@@ -117,6 +117,8 @@ class Checkpoint:
     shared: dict | None
     workers: dict[int, dict]
     rng: dict = field(default_factory=dict)
+    #: what the run trains on (:attr:`~mergekit_loco.train.data.PreparedData.source`); "" unknown
+    data: str = ""
 
 
 def rng_state() -> dict:
@@ -175,6 +177,8 @@ def save_checkpoint(out: str | Path, state: Checkpoint, group: WorkerGroup, keep
             if state.shared is not None:
                 torch.save(state.shared, staging / SHARED)
             meta = {"round": state.round, "world_size": group.world_size, "config": state.config}
+            if state.data:
+                meta["data"] = state.data
             (staging / STATE).write_text(json.dumps(meta, indent=2))
             for name in (GLOBAL_PARAMS, SHARED, STATE):
                 if (staging / name).is_file():
@@ -306,6 +310,8 @@ def read_state(path: Path) -> dict:
         problem = 'has no "world_size" (a positive integer)'
     elif not isinstance(state.get("config"), dict):
         problem = 'has no "config" (a JSON object)'
+    elif "data" in state and not is_sha256(state["data"]):
+        problem = 'has a "data" that is not a sha256'
     if problem:
         raise CheckpointCorrupt(f"checkpoint file {shown(file)} {problem}")
     return state
@@ -376,4 +382,5 @@ def load_checkpoint(path: Path, worker_ids: Iterable[int], rank: int) -> Checkpo
         shared=torch_load(SHARED) if SHARED in files else None,
         workers=workers,
         rng=torch_load(rng_file(rank)) if rng_file(rank) in files else {},
+        data=state.get("data", ""),
     )

@@ -11,6 +11,7 @@ equal contiguous slices of the training stream.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -51,6 +52,9 @@ class PreparedData:
     description: str
     val_documents: tuple[str, ...] = ()
     """Names of the documents held out for validation, in the order their tokens appear."""
+    source: str = ""
+    """sha256 of the documents (names, sizes and times) and the tokenizer: what a resumed run
+    must find unchanged."""
 
     @property
     def vocab_size(self) -> int:
@@ -91,6 +95,9 @@ def prepare_data(
     eos_id = tokenizer_object.eos_token_id
     if eos_id is None:
         raise ValueError(f"tokenizer {tokenizer_name!r} defines no EOS token")
+    source = hashlib.sha256(
+        f"{fingerprint(documents)}\0{tokenizer_fingerprint(tokenizer_object)}".encode()
+    ).hexdigest()
     key = cache_key(
         CACHE_FORMAT,
         fingerprint(documents),
@@ -120,6 +127,7 @@ def prepare_data(
         eos_id=eos_id,
         description=description,
         val_documents=tuple(cached["val_documents"]),
+        source=source,
     )
 
 

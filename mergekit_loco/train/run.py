@@ -102,6 +102,7 @@ class Run:
             shared=self.shared_state(),
             workers={w.index: worker_state(w) for w in self.workers},
             rng=rng_state(),
+            data=self.data.source,
         )
         path = save_checkpoint(self.out, state, self.group, self.config.checkpoint.keep)
         self.last_saved = (completed, path)
@@ -121,6 +122,12 @@ class Run:
             )
         if set(saved.global_params) != set(self.global_params):
             raise ValueError(f"checkpoint {path} holds other tensors than the model")
+        if saved.data and saved.data != self.data.source:
+            raise ValueError(
+                f"checkpoint {path}: the run trained on other data than --data "
+                f"{self.config.data.source!r} holds now (its documents, their sizes or times, or "
+                "the tokenizer changed); resume with the data it started on, or start over"
+            )
         with reading(path / SHARED):  # a damaged file's error names it (never a bare KeyError)
             if self.driver is not None:
                 shared = driver_state(saved.shared, self.driver)
