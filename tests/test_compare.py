@@ -369,3 +369,66 @@ def test_gpu_scale_out_script_runs_at_toy_size(tmp_path, domains, capsys):
     assert (out / "curves.png").is_file() and (out / "loss_vs_workers.png").is_file()
     output = capsys.readouterr().out
     assert "Time per cell" in output and "no GPU" in output
+
+
+def children_of(pid: int) -> set[int]:
+    """Processes whose parent is ``pid`` (from /proc)."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.add(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_sigterm_to_a_parallel_sweep_stops_its_workers(tmp_path):
+    """``kill PID`` of ``mloco compare --jobs 2`` ends its worker processes too (they kept
+    training on their own) and says, as Ctrl-C does, that finished cells are kept."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    data = tmp_path / "data"
+    data.mkdir()
+    words = "the river ran past old stone walls while quiet birds sang of rain".split()
+    for doc in range(200):
+        text = " ".join(words[(doc * 7 + k * k) % len(words)] + str(k % 13) for k in range(500))
+        (data / f"doc{doc:03d}.txt").write_text(text + "\n")
+    out = tmp_path / "sweep"
+    command = [sys.executable, "-m", "mergekit_loco", "compare", "--aggregators", "diloco,tsv",
+               "--workers", "2", "--inner-steps", "2", "--model", "micro", "--global-batch", "4",
+               "--seq-len", "32", "--vocab-size", "300", "--val-tokens", "1024", "--tokens",
+               str(4 * 32 * 2 * 400), "--data", str(data), "--jobs", "2", "--no-figures",
+               "-o", str(out)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    sweep = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not list(out.glob("runs/*/checkpoints/round-*")) and time.monotonic() < deadline:
+        assert sweep.poll() is None, sweep.stderr.read()
+        time.sleep(0.5)
+    workers = children_of(sweep.pid)
+    assert workers, "no worker processes"
+    sweep.send_signal(signal.SIGTERM)
+    _, stderr = sweep.communicate(timeout=120)
+    assert sweep.returncode == 130, stderr
+    assert "interrupted; finished cells are kept" in stderr
+
+    def running(pid: int) -> bool:  # a zombie (state Z) has ended
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + 60
+    while any(map(running, workers)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    alive = [pid for pid in workers if running(pid)]
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, "worker processes outlived the sweep"

@@ -9,13 +9,16 @@ one resumes. The report is :mod:`mergekit_loco.compare.sweep_report`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
 import shutil
+import signal
+import threading
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -276,15 +279,53 @@ def run_sweep(
     else:
         threads = max(1, (os.cpu_count() or 1) // jobs)
         context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(jobs, mp_context=context) as pool:
-            futures = {
-                pool.submit(_run_cell_alone, sweep, cell, runs_dir / cell.name, threads): cell
-                for cell in todo
-            }
+        with ProcessPoolExecutor(jobs, mp_context=context) as pool, stopped_by_sigterm():
+            waiting, running, count = list(reversed(todo)), {}, 0
             try:
-                for count, future in enumerate(as_completed(futures), start=1):
-                    done(count, futures[future], future.result())
+                while waiting or running:
+                    while waiting and len(running) < jobs:  # no cell queued behind the jobs
+                        cell = waiting.pop()
+                        job = pool.submit(_run_cell_alone, sweep, cell, runs_dir / cell.name,
+                                          threads)  # fmt: skip
+                        running[job] = cell
+                    finished, _ = wait(running, return_when=FIRST_COMPLETED)
+                    for job in finished:
+                        count += 1
+                        done(count, running.pop(job), job.result())
             except BaseException:
-                pool.shutdown(cancel_futures=True)
+                stop_workers(pool)
                 raise
     return report_sweep(out, console=console, figures=figures)
+
+
+def stop_workers(pool: ProcessPoolExecutor, grace_seconds: float = 60.0) -> None:
+    """SIGTERM to every worker: its cell stops at the next inner step, keeping its last
+    checkpoint; a worker still alive after ``grace_seconds`` is killed. No worker outlives the
+    sweep (a rerun would race it in the same folders)."""
+    processes = list(getattr(pool, "_processes", {}).values())
+    for process in processes:
+        process.terminate()
+    pool.shutdown(wait=False, cancel_futures=True)  # each worker exits once its cell has stopped
+    deadline = time.monotonic() + grace_seconds
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+
+
+@contextlib.contextmanager
+def stopped_by_sigterm():
+    """SIGTERM raises KeyboardInterrupt here, as Ctrl-C does (main thread only), so a sweep
+    that is terminated stops its workers instead of dying without them."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
