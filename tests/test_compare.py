@@ -110,6 +110,8 @@ def test_outer_lr_grid_multipliers_and_absolute_values():
     for bad in (["0,1"], ["a,b"], ["1", "2"]):
         with pytest.raises(ValueError, match="--outer-lr-grid"):
             Grid.parse(bad)
+    with pytest.raises(ValueError, match="names 'diloco' twice"):  # not the last one silently
+        Grid.parse(["diloco=1,2", "diloco=3"])
     with pytest.raises(ValueError, match="names 'tsv', not in --aggregators"):
         plan(Sweep(["diloco"], [2], outer_lr_grid=Grid.parse(["tsv=1"]), shared=TOY))
 

@@ -119,6 +119,18 @@ def test_report_rerenders_a_sweep_from_saved_metrics(tmp_path):
     assert run.train_curve == ((64, 8.0), (128, 7.0), (192, 6.0), (256, 5.0))
 
 
+def test_a_setting_missing_seeds_cannot_win_on_fewer_runs(tmp_path):
+    """lr 0.35 has only seed 0 finished (4.75) against lr 0.7's two seeds (4.76, 4.7484: mean
+    4.7542): the choice is among the settings with every seed, so 0.7."""
+    write_run(tmp_path, "diloco-R2-H2-s0", "diloco", 2, 0, 4.76)
+    write_run(tmp_path, "diloco-R2-H2-s1", "diloco", 2, 1, 4.7484)
+    write_run(tmp_path, "diloco-R2-H2-lr0.35-s0", "diloco", 2, 0, 4.75, outer_lr=0.35)
+    write_run(tmp_path, "diloco-R2-H2-lr0.35-s1", "diloco", 2, 1, None, outer_lr=0.35)
+    [row] = sweep_report.summarize(runs.load_runs(tmp_path))
+    assert row.outer_lr == 0.7 and math.isclose(row.loss.mean, 4.7542)
+    assert len(row.sweep) == 2  # the incomplete setting is still listed
+
+
 def test_report_without_matplotlib_says_how_to_get_it(tmp_path, monkeypatch):
     write_run(tmp_path, "diloco-R2-H2-s0", "diloco", 2, 0, 3.0)
     monkeypatch.setitem(sys.modules, "matplotlib", None)

@@ -90,6 +90,11 @@ class Grid:
                 raise ValueError(f"{option} {spec!r}: give positive numbers")
             if not relative and any(v >= 1 for v in numbers):
                 raise ValueError(f"{option} {spec!r}: momentum must lie in (0, 1)")
+            if name.strip() in named:
+                raise ValueError(
+                    f"{option} names {name.strip()!r} twice; give its values once, like "
+                    f"{name.strip()}={example}"
+                )
             if name:
                 named[name.strip()] = numbers
             elif default:

@@ -81,7 +81,9 @@ def grid_edges(settings: Iterable[Setting], chosen: Setting) -> tuple[str, ...]:
 
 def summarize(runs: Iterable[Run]) -> list[SummaryRow]:
     """Group finished runs by (aggregator, R, H, outer lr, momentum) and keep per (aggregator,
-    R, H) the setting with the lowest mean over seeds. The baseline is one row (R = 1, H = 0)."""
+    R, H) the setting with the lowest mean over seeds, among the settings with the most finished
+    seeds (a setting missing a seed of an unfinished sweep cannot win on fewer runs). The
+    baseline is one row (R = 1, H = 0)."""
     cells: dict[tuple, dict[Setting, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
     for run in runs:
         if run.val_loss is None:
@@ -95,7 +97,9 @@ def summarize(runs: Iterable[Run]) -> list[SummaryRow]:
     rows = []
     for (aggregator, workers, inner_steps), by_setting in cells.items():
         spreads = {s: spread(list(losses.values())) for s, losses in by_setting.items()}
-        best = min(spreads, key=lambda s: spreads[s].mean)
+        most = max(len(losses) for losses in by_setting.values())
+        complete = [s for s, losses in by_setting.items() if len(losses) == most]
+        best = min(complete, key=lambda s: spreads[s].mean)
         sweep = tuple(sorted(spreads.items(), key=lambda item: _sort_key(item[0])))
         rows.append(SummaryRow(aggregator, workers, inner_steps, *best, by_setting[best], sweep))
     return sorted(rows, key=lambda r: (not r.is_baseline, r.inner_steps, r.workers, r.loss.mean))
