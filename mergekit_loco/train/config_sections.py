@@ -67,6 +67,8 @@ class DataConfig:
             raise ValueError(f"tokens must be >= 1, got {self.tokens}")
         if self.chinchilla is not None and self.chinchilla <= 0:
             raise ValueError(f"chinchilla must be > 0, got {self.chinchilla}")
+        if self.val_seed is not None and not 0 <= self.val_seed < 2**63:
+            raise ValueError(f"val_seed must be an integer in [0, 2**63), got {self.val_seed}")
         if self.tokens is None and self.chinchilla is None:  # the default budget, written down
             object.__setattr__(self, "tokens", DEFAULT_TOKENS)
 
