@@ -114,6 +114,27 @@ def test_max_train_tokens_cuts_exactly_and_reports_shortfall(corpus, tmp_path):
         _prepare(corpus, tmp_path / "cache", val_tokens=64, max_train_tokens=10_000_000)
 
 
+def test_a_tokenizer_cache_written_meanwhile_by_another_process_is_used(corpus, tmp_path,
+                                                                        monkeypatch):  # fmt: skip
+    """Two cells of a parallel sweep train the same tokenizer at once: the one that finishes
+    second finds the cache written (the same documents, so the same tokenizer) and uses it,
+    instead of failing with 'appeared while it was being written'."""
+    cache = tmp_path / "cache"
+    train = tokenizer_module.train_tokenizer
+
+    def racing(texts, vocab_size, *args, **kwargs):
+        tokenizer = train(texts, vocab_size, *args, **kwargs)
+        [folder] = [f for f in (cache / "tokenizers").glob("bpe*")] or [None]
+        assert folder is None  # nobody has written it yet: the other process now does
+        monkeypatch.setattr(tokenizer_module, "train_tokenizer", train)
+        tokenizer_module.load_or_train_tokenizer(str(corpus), vocab_size, cache)
+        return tokenizer
+
+    monkeypatch.setattr(tokenizer_module, "train_tokenizer", racing)
+    first = tokenizer_module.load_or_train_tokenizer(str(corpus), 300, cache)
+    assert len(list((cache / "tokenizers").iterdir())) == 1 and len(first) == 300
+
+
 def test_second_call_hits_both_caches(corpus, tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     first = _prepare(corpus, cache, val_tokens=64, max_train_tokens=400)

@@ -14,7 +14,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from mergekit_loco.io.atomic import staged_output
+from mergekit_loco.io.atomic import OutputExistsError, staged_output
 from mergekit_loco.io.hf import NO_REMOTE_CODE, check_hf_folder
 from mergekit_loco.train.documents import Document, fingerprint, hash_order
 from mergekit_loco.train.sources import cache_root, load_documents
@@ -85,7 +85,8 @@ def load_or_train_tokenizer(
         try:
             with staged_output(folder, "tokenizer cache") as staging:
                 tokenizer.save_pretrained(staging)
-        except OSError:  # another process finished first; its copy is identical
+        except (OSError, OutputExistsError):  # another process (a parallel sweep's cell, a
+            # torchrun rank) finished first: its copy, keyed by the same documents, is identical
             if not (folder / "tokenizer.json").is_file():
                 raise
     return load_tokenizer(folder)
