@@ -24,7 +24,8 @@ def identity(path: Path) -> tuple[int, int] | None:
 
 def same_checkpoint(first: Path, second: Path) -> bool:
     """``first`` and ``second`` name one file or folder (equal paths, or one through links)."""
-    return first == second or (identity(first) is not None and identity(first) == identity(second))
+    key = identity(first)
+    return first == second or (key is not None and key == identity(second))
 
 
 def check_distinct(models: Sequence[Path], base: Path | None) -> None:

@@ -22,7 +22,7 @@ from mergekit_loco.methods import get_method
 from mergekit_loco.train.sources import BUILTIN_SOURCES
 
 MERGED = "merged"
-#: label -> the inputs each merge under ``merged/`` was made from (see :func:`recipe`)
+#: label -> the inputs (:func:`stamp`), method and scale each merge under ``merged/`` came from
 RECIPES = "merges.json"
 DEFAULT_EVAL_SEQ_LEN = 128
 
@@ -36,15 +36,6 @@ def stamp(path: str | Path) -> list[str]:
         if file.suffix in (".safetensors", ".json") and file.is_file()
     )  # fmt: skip
     return [f"{file}:{file.stat().st_size}:{file.stat().st_mtime_ns}" for file in files]
-
-
-def recipe(base, finetuned, method: str, scale: float) -> dict:
-    return {
-        "base": stamp(base),
-        "finetuned": [stamp(path) for path in finetuned],
-        "method": method,
-        "scale": scale,
-    }
 
 
 def merge_label(method: str, scale: float) -> str:
@@ -114,6 +105,7 @@ def compare_merges(
     for path, domain in zip(finetuned, data, strict=True):
         models[f"finetune:{domain}"] = (str(path), "finetuned", None, None)
     recipes_file = out / RECIPES
+    inputs_now = {"base": stamp(base), "finetuned": [stamp(path) for path in finetuned]}
     recipes = read_json(recipes_file, "merge recipes") if recipes_file.exists() else {}
     if not isinstance(recipes, dict):
         raise ValueError(f"{recipes_file}: not a JSON object; delete it and add --force")
@@ -121,7 +113,7 @@ def compare_merges(
         for scale in scales:
             label = merge_label(method, scale)
             target = out / MERGED / label
-            wanted = recipe(base, finetuned, method, scale)
+            wanted = {**inputs_now, "method": method, "scale": scale}
             if target.exists() and not force and recipes.get(label) != wanted:
                 raise ValueError(
                     f"{target}: this merge was made from other checkpoints than --base and "

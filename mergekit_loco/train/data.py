@@ -95,13 +95,15 @@ def prepare_data(
     eos_id = tokenizer_object.eos_token_id
     if eos_id is None:
         raise ValueError(f"tokenizer {tokenizer_name!r} defines no EOS token")
-    source = hashlib.sha256(
-        f"{fingerprint(documents)}\0{tokenizer_fingerprint(tokenizer_object)}".encode()
-    ).hexdigest()
-    key = cache_key(
-        CACHE_FORMAT,
+    documents_digest, tokenizer_digest = (
         fingerprint(documents),
         tokenizer_fingerprint(tokenizer_object),
+    )
+    source = hashlib.sha256(f"{documents_digest}\0{tokenizer_digest}".encode()).hexdigest()
+    key = cache_key(
+        CACHE_FORMAT,
+        documents_digest,
+        tokenizer_digest,
         max_train_tokens,
         val_tokens,
         seed,

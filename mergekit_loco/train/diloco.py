@@ -61,7 +61,6 @@ def resolve_aggregator(
     return get_method(aggregator, **dict(options or {}))
 
 
-@torch.no_grad()
 def check_shapes_fit(
     params: Mapping[str, torch.Tensor], entries: Iterable[tuple[str, str, torch.Tensor]]
 ) -> None:
@@ -74,6 +73,7 @@ def check_shapes_fit(
             )
 
 
+@torch.no_grad()
 def apply_pseudo_gradient(
     merged: TaskVector, params: Mapping[str, torch.Tensor], outer: torch.optim.Optimizer
 ) -> None:
