@@ -368,3 +368,21 @@ def test_methods_lists_every_method_with_parameters():
     for name in ("mean", "ta", "ties", "dare", "breadcrumbs", "tsv", "iso-c", "iso-cts"):
         assert re.search(rf"^{re.escape(name)}\b", result.stdout, re.MULTILINE), name
     assert "density=0.2" in result.stdout and "common_fraction=0.8" in result.stdout
+
+
+def test_dtype_float64_writes_the_float64_formula(files, tmp_path):
+    """``--dtype float64 --compute-dtype float64``: ta of float32 inputs, written in float64,
+    equals base + sum of deltas computed in float64 here."""
+    base, models = files
+    out = tmp_path / "ta64.safetensors"
+    args = ["merge", *models, "--base", base, "-m", "ta", "--dtype", "float64"]
+    result = invoke(*args, "--compute-dtype", "float64", "-o", out, "--quiet")
+    assert result.exit_code == 0, result.output
+    merged, theta = load_state_dict(out), load_state_dict(base)
+    tuned = [load_state_dict(model) for model in models]
+    for name, tensor in theta.items():
+        if not tensor.is_floating_point():
+            continue
+        expected = tensor.double() + sum(t[name].double() - tensor.double() for t in tuned)
+        assert merged[name].dtype == torch.float64
+        torch.testing.assert_close(merged[name], expected, rtol=0, atol=1e-12)
