@@ -94,6 +94,51 @@ def test_flags_override_the_aggregators_preset(captured_run, capsys):
     assert (flat["aggregator"], flat["outer_lr"], flat["outer_momentum"]) == ("tsv", 1.8, 0.8)
 
 
+def test_the_outer_line_names_config_file_values_as_such(captured_run, capsys, tmp_path):
+    config_file = tmp_path / "outer.toml"
+    config_file.write_text('preset = "isoloco"\nouter_momentum = 0.5\n')
+    code, stdout, _ = run_main(capsys, "train", "--config", config_file, "--outer-lr", "1.1",
+                               "--threads", "1")  # fmt: skip
+    assert code == 0
+    ((config, _),) = captured_run
+    assert (config.outer.lr, config.outer.momentum, config.run.preset) == (1.1, 0.5, "isoloco")
+    assert stdout.splitlines()[0].endswith(
+        f"(preset isoloco, overridden by --outer-lr, outer_momentum in {config_file})"
+    )
+    captured_run.clear()
+    config_file.write_text('preset = "diloco"\n')  # a preset named in the file is a choice
+    _, stdout, _ = run_main(capsys, "train", "--config", config_file, "--aggregator", "ta",
+                            "--threads", "1")  # fmt: skip
+    assert stdout.splitlines()[0].endswith("(preset diloco)")
+
+
+def test_mode_dp_is_the_dp_preset_and_refuses_what_it_would_ignore(captured_run, capsys, tmp_path):
+    code, stdout, _ = run_main(capsys, "train", "--mode", "dp", "--threads", "1")
+    assert code == 0
+    ((config, _),) = captured_run
+    flat = config.to_dict()
+    assert (flat["preset"], flat["inner_lr"], flat["weight_decay"]) == ("dp", 1.95e-3, 0.15)
+    assert stdout.splitlines()[0] == "outer step: none (data-parallel AdamW baseline)"
+    config_file = tmp_path / "dp.yaml"
+    config_file.write_text("outer_momentum: 0.5\n")
+    refused = {
+        ("--preset", "dp", "--outer-lr", "2"): "--outer-lr would be ignored",
+        ("--mode", "dp", "--aggregator", "tsv"): "--aggregator would be ignored",
+        ("--preset", "dp", "--density", "0.5"): "aggregator option density would be ignored",
+        ("--preset", "dp", "--compression", "bf16"): "--compression would be ignored",
+        ("--preset", "dp", "--no-nesterov"): "--nesterov would be ignored",
+        ("--preset", "dp", "--config", config_file): f"outer_momentum in {config_file} would",
+        ("--preset", "tsv", "--mode", "dp"): "--preset tsv is a DiLoCo preset, but --mode dp",
+    }
+    for args, message in refused.items():
+        captured_run.clear()
+        code, _, stderr = run_main(capsys, "train", *args, "--threads", "1")
+        assert code == 2 and message in " ".join(stderr.split()), args
+        assert not captured_run
+    run_main(capsys, "train", "--preset", "dp", "--outer-lr", "0.7", "--threads", "1")
+    assert len(captured_run) == 1  # the value the run has anyway: nothing is ignored
+
+
 def test_resolved_defaults_threads_and_the_preparing_line(captured_run, capsys, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     code, stdout, _ = run_main(capsys, "train", "--threads", "2")

@@ -30,6 +30,7 @@ from mergekit_loco.train.config import (
     TrainConfig,
     aggregator_preset,
     default,
+    given_options,
     resolve_config,
 )
 
@@ -52,22 +53,22 @@ def parse_aggregator_options(pairs: list[str]) -> dict:
     return options
 
 
-def describe_outer(config: TrainConfig, flags: dict) -> str:
-    """One line: the aggregator, the outer SGD settings and where they come from."""
+def describe_outer(config: TrainConfig, given: dict[str, str]) -> str:
+    """One line: the aggregator, the outer SGD settings and where they come from (``given``:
+    the options the user set, named as written: :func:`given_options`)."""
     outer = config.outer
     if config.run.mode == "dp":
         return "none (data-parallel AdamW baseline)"
     momentum = f"{'Nesterov ' if outer.nesterov else ''}momentum {outer.momentum}"
     if not outer.momentum:
         momentum = "no momentum"
-    given = [f"--{name.replace('_', '-')}" for name in ("outer_lr", "outer_momentum", "nesterov")
-             if flags.get(name) is not None]  # fmt: skip
-    if aggregator_preset(outer.aggregator) is None and flags.get("preset") is None:
+    if aggregator_preset(outer.aggregator) is None and "preset" not in given:
         source = f"the defaults: {outer.aggregator} has no tuned preset"
     else:
         source = f"preset {config.run.preset}"
-    if given:
-        source += f", overridden by {', '.join(given)}"
+    overrides = [given[key] for key in ("outer_lr", "outer_momentum", "nesterov") if key in given]
+    if overrides:
+        source += f", overridden by {', '.join(overrides)}"
     return (
         f"{outer.aggregator} of the worker deltas, then SGD with lr {outer.lr}, {momentum} "
         f"({source})"
@@ -281,7 +282,8 @@ def train_command(
 
     torch.set_num_threads(thread_count)
     if not run_config.run.quiet and os.environ.get("RANK", "0") == "0":
-        typer.echo(f"outer step: {describe_outer(run_config, flags)}")
+        given = given_options(config, **flags)
+        typer.echo(f"outer step: {describe_outer(run_config, given)}")
         typer.echo(f"threads: {thread_count} ({thread_reason}; --threads N to choose)")
         typer.echo("preparing the tokenizer, data and model (the first run on a corpus trains a "
                    "tokenizer: ~20 s on 2 cores) ...")  # fmt: skip

@@ -286,16 +286,22 @@ def resolve_config(config_file: str | Path | None = None, **overrides: Any) -> T
     is ``preset="tsv"``), whose values explicit ones override. ``aggregator_options`` from the
     preset, the file and the overrides are merged key by key, unless the aggregator was changed
     from the preset's, in which case the preset's options are dropped. With ``resume=True`` the
-    run's saved ``OUT/config.json`` replaces the defaults.
+    run's saved ``OUT/config.json`` replaces the defaults. ``mode="dp"`` without a preset brings
+    the ``dp`` preset; in that mode outer-step options other than the preset's are refused
+    (:func:`check_no_outer_step`).
     """
     explicit = coerce_values(read_config_file(config_file), str(config_file)) if config_file else {}
     flags = coerce_values({k: v for k, v in overrides.items() if v is not None}, "flags")
+    given = option_names(config_file, explicit, flags)
     options = {**explicit.pop("aggregator_options", {}), **flags.pop("aggregator_options", {})}
     explicit.update(flags)
-    if "preset" not in explicit and "aggregator" in explicit and not explicit.get("resume"):
-        tuned = aggregator_preset(explicit["aggregator"])
-        if tuned is not None:
-            explicit["preset"] = tuned
+    if "preset" not in explicit and not explicit.get("resume"):
+        if explicit.get("mode") == "dp":
+            explicit["preset"] = "dp"
+        elif "aggregator" in explicit:
+            tuned = aggregator_preset(explicit["aggregator"])
+            if tuned is not None:
+                explicit["preset"] = tuned
 
     base = TrainConfig().to_dict()
     if explicit.get("resume"):
@@ -316,7 +322,56 @@ def resolve_config(config_file: str | Path | None = None, **overrides: Any) -> T
     if "chinchilla" in explicit and "tokens" not in explicit:
         values["tokens"] = None  # the default budget gives way to the chinchilla one
     values["aggregator_options"] = {**base.get("aggregator_options", {}), **options}
+    if values["mode"] == "dp":
+        check_no_outer_step(explicit, options, base, given)
     return TrainConfig.from_dict(values)
+
+
+def option_names(
+    config_file: str | Path | None, from_file: Mapping[str, Any], flags: Mapping[str, Any]
+) -> dict[str, str]:
+    """Each option the user set, named as they wrote it: ``--outer-lr`` for a flag (which
+    wins), ``outer_lr in FILE`` for a key of the config file."""
+    names = {key: f"{key} in {shown(Path(config_file))}" for key in from_file}
+    return names | {key: f"--{key.replace('_', '-')}" for key in flags}
+
+
+def given_options(config_file: str | Path | None, **overrides: Any) -> dict[str, str]:
+    """:func:`option_names` of the options :func:`resolve_config` would read as set."""
+    from_file = (
+        coerce_values(read_config_file(config_file), str(config_file)) if config_file else {}
+    )
+    flags = coerce_values({k: v for k, v in overrides.items() if v is not None}, "flags")
+    return option_names(config_file, from_file, flags)
+
+
+#: Options that only the DiLoCo outer step reads.
+OUTER_KEYS = ("aggregator", "outer_lr", "outer_momentum", "nesterov", "compression")
+
+
+def check_no_outer_step(
+    explicit: Mapping[str, Any],
+    options: Mapping[str, Any],
+    base: Mapping[str, Any],
+    given: Mapping[str, str],
+) -> None:
+    """Refuse, in the data-parallel mode, outer-step options set to other values than the
+    preset's: the baseline has no outer step, so they would be ignored without a word.
+    ``given`` names each option as the user wrote it (``--outer-lr``, ``outer_lr in FILE``)."""
+    preset = explicit.get("preset")
+    if preset is not None and PRESETS[preset].get("mode") != "dp":
+        raise ValueError(
+            f"{given.get('preset', 'preset')} {preset} is a DiLoCo preset, but "
+            f"{given.get('mode', 'mode')} dp asks for the data-parallel AdamW baseline; use "
+            "--preset dp for the baseline, or drop the mode"
+        )
+    ignored = [given[key] for key in OUTER_KEYS if key in explicit and explicit[key] != base[key]]
+    ignored += [f"aggregator option {key}" for key in options]
+    if ignored:
+        raise ValueError(
+            f"mode dp, the data-parallel AdamW baseline, has no outer step: {', '.join(ignored)} "
+            "would be ignored; drop it, or train DiLoCo (--mode diloco, or a DiLoCo --preset)"
+        )
 
 
 def aggregator_preset(aggregator: str) -> str | None:
