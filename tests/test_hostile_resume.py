@@ -87,12 +87,12 @@ def test_resume_deletes_only_checkpoint_folders_it_wrote(capsys, tmp_path, corpu
     assert (root / "round-000002" / OWNER_MARKER).is_file()
 
 
-def tamper_round(run: Path, round_value: int, folder: str = "round-000001") -> Path:
-    """Write ``round_value`` into state.json, rehash the manifest, rename the folder to
-    ``folder`` and point ``latest`` at it, as a careful attacker would."""
+def tamper_round(run: Path, round_value: int, folder: str = "round-000001", **changes) -> Path:
+    """Write ``round_value`` (and ``changes``) into state.json, rehash the manifest, rename the
+    folder to ``folder`` and point ``latest`` at it, as a careful attacker would."""
     checkpoint = run / "checkpoints" / "round-000001"
     state = json.loads((checkpoint / "state.json").read_text())
-    state["round"] = round_value
+    state |= {"round": round_value, **changes}
     (checkpoint / "state.json").write_text(json.dumps(state))
     manifest = json.loads((checkpoint / "manifest.json").read_text())
     digest = hashlib.sha256((checkpoint / "state.json").read_bytes()).hexdigest()
@@ -116,6 +116,21 @@ def test_resume_refuses_a_round_outside_the_run(capsys, tmp_path, corpus, stoppe
     state = tamper_round(run, round_value, folder)
     before = snapshot(tmp_path)
     code, err, _ = run_cli(capsys, "train", *TRAIN, f"--data={corpus}", f"--out={run}", "--resume")
+    assert_refused(code, err, str(state), fragment)
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("seconds", [-1, "12", True, None, 1e309])
+def test_resume_refuses_a_state_whose_seconds_are_not_seconds(capsys, tmp_path, corpus, stopped,
+                                                              seconds):  # fmt: skip
+    run = tmp_path / "run"
+    shutil.copytree(stopped, run)
+    state = tamper_round(run, 1, seconds=seconds)
+    before = snapshot(tmp_path)
+    code, err, _ = run_cli(capsys, "train", *TRAIN, f"--data={corpus}", f"--out={run}", "--resume")
+    fragment = 'has a "seconds" that is not a number of seconds'
+    if seconds == 1e309:  # json writes Infinity, which the strict reader refuses first
+        fragment = "Infinity"
     assert_refused(code, err, str(state), fragment)
     assert snapshot(tmp_path) == before
 

@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -282,6 +283,30 @@ def test_sigint_stops_and_resume_continues_exactly(corpus, tmp_path, reference_r
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     resumed = train(config.replace(resume=True), progress=False)
     assert resumed.checksum == reference_run.checksum
+
+
+def test_extending_a_finished_run_keeps_its_history_and_its_time(corpus, tmp_path):
+    """A 2-round run, then the same run extended to 4 rounds: the first run's final validation
+    loss stays in the log (as the eval of round 2), and the final event's seconds add the
+    second invocation's wall time to what the run had taken when it saved round 2."""
+    config = tiny_config(corpus, tmp_path, preset="isoloco", tokens=1024, eval_every=1)
+    first = train(config, progress=False)
+    saved = json.loads((latest_checkpoint(tmp_path) / "state.json").read_text())
+    assert first.rounds == saved["round"] == 2 and 0 < saved["seconds"] <= first.seconds
+    extended = config.replace(tokens=2048, resume=True, allow_config_change=True)
+    started = time.perf_counter()
+    second = train(extended, progress=False)
+    took = time.perf_counter() - started
+    assert saved["seconds"] + took - 0.05 <= second.seconds <= saved["seconds"] + took
+    events = [(e["event"], e["round"], e.get("val_loss")) for e in read_metrics(tmp_path)]
+    evals = [e for e in events if e[0] != "round"]
+    assert evals == [("eval", 1, evals[0][2]), ("eval", 2, first.val_loss),
+                     ("eval", 3, evals[2][2]), ("final", 4, second.val_loss)]  # fmt: skip
+    assert read_metrics(tmp_path)[-1]["seconds"] == second.seconds
+    again = train(config.replace(tokens=2048, resume=True), progress=False)  # nothing to train
+    assert [e[:2] for e in events] == [
+        (e["event"], e["round"]) for e in read_metrics(tmp_path)
+    ] and again.val_loss == second.val_loss
 
 
 def test_resume_refuses_another_config(corpus, tmp_path, reference_run):

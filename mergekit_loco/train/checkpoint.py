@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import shutil
 import warnings
@@ -119,6 +120,8 @@ class Checkpoint:
     rng: dict = field(default_factory=dict)
     #: what the run trains on (:attr:`~mergekit_loco.train.data.PreparedData.source`); "" unknown
     data: str = ""
+    #: wall seconds the run had taken when saved, over all its invocations (0: not recorded)
+    seconds: float = 0.0
 
 
 def rng_state() -> dict:
@@ -179,6 +182,7 @@ def save_checkpoint(out: str | Path, state: Checkpoint, group: WorkerGroup, keep
             meta = {"round": state.round, "world_size": group.world_size, "config": state.config}
             if state.data:
                 meta["data"] = state.data
+            meta["seconds"] = state.seconds
             (staging / STATE).write_text(json.dumps(meta, indent=2))
             for name in (GLOBAL_PARAMS, SHARED, STATE):
                 if (staging / name).is_file():
@@ -312,6 +316,10 @@ def read_state(path: Path) -> dict:
         problem = 'has no "config" (a JSON object)'
     elif "data" in state and not is_sha256(state["data"]):
         problem = 'has a "data" that is not a sha256'
+    elif "seconds" in state and not (
+        type(state["seconds"]) in (int, float) and 0 <= state["seconds"] < math.inf
+    ):
+        problem = 'has a "seconds" that is not a number of seconds'
     if problem:
         raise CheckpointCorrupt(f"checkpoint file {shown(file)} {problem}")
     return state
@@ -383,4 +391,5 @@ def load_checkpoint(path: Path, worker_ids: Iterable[int], rank: int) -> Checkpo
         workers=workers,
         rng=torch_load(rng_file(rank)) if rng_file(rank) in files else {},
         data=state.get("data", ""),
+        seconds=float(state.get("seconds", 0.0)),
     )

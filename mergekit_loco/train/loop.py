@@ -55,7 +55,7 @@ def train(config: TrainConfig, progress: bool = True) -> TrainResult:
     started = time.perf_counter()
     show = progress and not config.run.quiet
     with open_worker_group(config) as group, StopSignals(enabled=not group.distributed) as stop:
-        run = start_run(config, group)
+        run = start_run(config, group, started)
         steps_per_round = config.inner.steps * (len(run.workers) if run.driver else 1)
         display = ProgressDisplay(show and group.is_main, run.rounds, steps_per_round,
                                   run.start_round)  # fmt: skip
@@ -78,7 +78,7 @@ def train(config: TrainConfig, progress: bool = True) -> TrainResult:
                 log_round(run, train_loss, round_seconds)
                 if config.run.stop_after == run.completed:
                     break
-        return finish(run, started, summary=show and group.is_main)
+        return finish(run, summary=show and group.is_main)
 
 
 def run_round(run: Run, display: ProgressDisplay, stop: StopSignals) -> float:
@@ -125,20 +125,21 @@ def log_round(run: Run, train_loss: float, round_seconds: float) -> None:
         run.save(completed)
 
 
-def finish(run: Run, started: float, summary: bool) -> TrainResult:
-    """Final evaluation and model (after the last round), the final metrics line, the result."""
+def finish(run: Run, summary: bool) -> TrainResult:
+    """Final evaluation and model (after the last round), the final metrics line, the result.
+    Its ``seconds`` are the run's wall time over all its invocations."""
     config, group = run.config, run.group
     tokens = run.completed * config.tokens_per_round()
     checksum = parameter_checksum(run.global_params)
     if run.completed < run.rounds:  # stop_after: no final model, resume continues
-        return TrainResult(run.out, None, run.completed, checksum, tokens,
-                           time.perf_counter() - started, finished=False)  # fmt: skip
+        return TrainResult(run.out, None, run.completed, checksum, tokens, run.wall_seconds,
+                           finished=False)  # fmt: skip
     val_loss = None
     if group.is_main:
         val_loss = turns.evaluate(run.model, run.data, config)
         save_final(run.out / FINAL, run.model, run.tokenizer)
     val_loss = group.broadcast(val_loss)
-    seconds = time.perf_counter() - started
+    seconds = run.wall_seconds
     run.metrics.write(event="final", round=run.rounds, tokens=tokens, val_loss=val_loss,
                       train_loss=run.train_loss, checksum=checksum, seconds=seconds)  # fmt: skip
     group.barrier()

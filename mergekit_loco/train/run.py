@@ -4,6 +4,7 @@ the run folder, checkpoints and resume. :func:`mergekit_loco.train.loop.train` d
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,6 +70,14 @@ class Run:
     last_saved: tuple[int, Path | None] = (0, None)
     metrics: MetricsLog | None = None
     seconds: dict[str, float] = field(default_factory=lambda: {"round": 0.0, "outer": 0.0})
+    #: ``time.perf_counter()`` when this invocation started; wall seconds of earlier ones
+    started: float = field(default_factory=time.perf_counter)
+    seconds_before: float = 0.0
+
+    @property
+    def wall_seconds(self) -> float:
+        """Wall seconds of the run so far, over every invocation (resumes add up)."""
+        return self.seconds_before + time.perf_counter() - self.started
 
     @property
     def out(self) -> Path:
@@ -103,6 +112,7 @@ class Run:
             workers={w.index: worker_state(w) for w in self.workers},
             rng=rng_state(),
             data=self.data.source,
+            seconds=self.wall_seconds,
         )
         path = save_checkpoint(self.out, state, self.group, self.config.checkpoint.keep)
         self.last_saved = (completed, path)
@@ -148,6 +158,7 @@ class Run:
             restore_rng_state(saved.rng)
         self.start_round = self.completed = saved.round
         self.last_saved = (saved.round, path)
+        self.seconds_before = saved.seconds
 
 
 def driver_state(shared: dict, driver: DiLoCo) -> dict:
@@ -176,9 +187,10 @@ def worker_state(worker: Worker) -> dict:
     }
 
 
-def start_run(config: TrainConfig, group: WorkerGroup) -> Run:
+def start_run(config: TrainConfig, group: WorkerGroup, started: float | None = None) -> Run:
     """Build (or resume) the run ``config`` describes. Every check that needs no training runs
-    before ``out`` is touched, so a run that cannot start leaves it as it found it."""
+    before ``out`` is touched, so a run that cannot start leaves it as it found it. ``started``:
+    the ``time.perf_counter()`` its wall time counts from (default: now)."""
     out = Path(config.run.out)
     check_compression_has_ranks(config.outer.compression, None)  # torchrun's group, if any
     resume_from = check_output(out, config)
@@ -201,12 +213,14 @@ def start_run(config: TrainConfig, group: WorkerGroup) -> Run:
     ]
     driver = make_driver(config, model, [w.inner for w in workers]) if diloco else None
     run = Run(config, group, model, tokenizer, data, workers, driver, dp_optimizer, rounds)
+    if started is not None:
+        run.started = started
     if resume_from is not None:
         run.restore(resume_from)
     check_data_left(workers, config, rounds - run.start_round)
     group.check_identical(parameter_checksum(run.global_params), "global parameters")
     claim_output(out, config, group)
-    run.metrics = MetricsLog(out / METRICS, group.is_main, keep_until_round=run.start_round)
+    run.metrics = MetricsLog(out / METRICS, group.is_main, run.start_round, rounds)
     if group.is_main:
         write_atomically(out / CONFIG, json.dumps(config.to_dict(), indent=2) + "\n")
     return run

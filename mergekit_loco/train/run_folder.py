@@ -121,18 +121,26 @@ class MetricsLog:
     """``metrics.jsonl``: one JSON object per line, appended and flushed (rank 0 only).
 
     On resume the lines after the checkpoint's round are dropped, so the log of a resumed run
-    reads like that of an uninterrupted one.
+    reads like that of an uninterrupted one. A run extended past its end (more ``rounds`` than
+    it finished) keeps its old final validation loss as an eval event of that round.
     """
 
-    def __init__(self, path: Path, enabled: bool, keep_until_round: int):
+    def __init__(self, path: Path, enabled: bool, keep_until_round: int, rounds: int):
         self.path = path
         self.enabled = enabled
         if enabled and path.is_file():
-            kept = [
-                line
-                for line, event in read_events(path)
-                if event.get("event") != "final" and event.get("round", 0) <= keep_until_round
-            ]
+            events = read_events(path)
+            evaluated = {e["round"] for _, e in events if e.get("event") == "eval" and "round" in e}
+            kept = []
+            for line, event in events:
+                at = event.get("round", 0)
+                if at > keep_until_round:
+                    continue
+                if event.get("event") == "final":
+                    if at >= rounds or at in evaluated or "val_loss" not in event:
+                        continue
+                    line = json.dumps({"event": "eval", "round": at, "val_loss": event["val_loss"]})
+                kept.append(line)
             write_atomically(path, "".join(f"{line}\n" for line in kept))
 
     def write(self, **event) -> None:
