@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import importlib.util
 import io
 import json
@@ -241,6 +242,12 @@ def test_ordering_states_only_separated_neighbours():
     assert ordering(losses) == "a < b ~ c"
     assert ordering({"b": losses["b"], "a": losses["a"]}) == "a < b"
     assert ordering({}) == ""
+    # b lacks seed 2, where a is far better: on every seed a ran its mean (3.867) is below b's
+    # (3.945), but on the seeds both ran a - b = +0.10, +0.11 (interval [+0.041, +0.169] by
+    # t_{0.975,1} = 12.706 x 0.005): b ranks first and is separated from a
+    unequal = {"a": {0: 4.0, 1: 4.1, 2: 3.5}, "b": {0: 3.9, 1: 3.99}}
+    assert ordering(unequal) == "b < a (seeds 0, 1: the ones all ran)"
+    assert ordering({"a": {0: 1.0}, "b": {1: 2.0}}) == "a ~ b (seeds none: the ones all ran)"
 
 
 # -- the published results reproduce from their committed data -----------------------------------
@@ -275,6 +282,35 @@ def test_published_aggregator_tables_reproduce_from_results_csv():
             # published to 3 digits (rounded by hand from the script's 4), same n.s. marks
             assert abs(float(shown.split()[0]) - float(cell.split()[0])) < 6e-4, (pair, cell)
             assert shown.split()[1:] == cell.split()[1:], (pair, cell)
+
+
+def test_claims_name_failed_seeds_and_short_pairs(tmp_path):
+    """isoloco and diloco both failed on seed 0 and differ by -0.5 on seeds 1, 2; dp lacks
+    seed 2. The claims show the failure (not "-", which means a cell not run, nor "+inf ?"),
+    and a difference on fewer seeds than its cells ran says so."""
+    for seed in (0, 1, 2):
+        for aggregator, loss in (("isoloco", 4.0 + seed / 10), ("diloco", 4.5 + seed / 5)):
+            folder = f"{aggregator}-R2-s{seed}"
+            write_run(tmp_path, folder, aggregator, 2, seed, None if seed == 0 else loss)
+            if seed == 0:
+                (tmp_path / "runs" / folder / runs.FAILED_FILE).write_text("{}")
+    for seed, loss in ((0, 4.4), (1, 4.5)):
+        write_run(tmp_path, f"dp-s{seed}", "dp", 1, seed, loss)
+    claims = load_script("aggregator_claims")
+    summary = sweep_report.summarize(runs.load_runs(tmp_path))
+    rows = {(r.aggregator, r.workers, r.inner_steps): r for r in summary}
+    _, table = claims.claim_rows(rows)
+    cells = {pair: cell for _claim, pair, cell in table}
+    assert cells["isoloco - diloco"] == cells["diloco - dp"] == "failed (seeds 0)"
+    assert cells["tsv - diloco"] == "-"
+    rows[("isoloco", 2, 2)] = dataclasses.replace(
+        rows[("isoloco", 2, 2)], losses={0: 4.3, 1: 4.7, 2: 4.8}
+    )  # finished on every seed: against dp, seeds 0 and 1 pair up (-0.1 and +0.2)
+    _, table = claims.claim_rows(rows)
+    # mean 0.05, sd 0.2121, se 0.15, half t_{0.975,1} x se = 12.7062 x 0.15 = 1.9059
+    assert {pair: cell for _c, pair, cell in table}["isoloco - dp"] == (
+        "+0.0500 [-1.8559, +1.9559] n.s. (n=2)"
+    )
 
 
 def test_published_merge_tables_reproduce_from_merge_results(tmp_path):
@@ -320,6 +356,27 @@ def test_tuning_picks_the_mean_over_r_and_flags_grid_edges(tmp_path):
         assert {r["outer_momentum"] for r in csv.DictReader(handle)} == {"0.8", "0.9"}
 
 
+def test_tuning_uses_only_settings_finished_on_every_seed_at_every_r(tmp_path):
+    # diloco at R = 2 and 4, outer lr 0.7 (preset) and 0.35, seeds 0 and 1; lr 0.35 at R = 2
+    # has only seed 0 finished, with a low loss: per R and over R, lr 0.7 is chosen, and 0.35
+    # is named as left out
+    losses = {(2, 0.7): (4.7, 4.8), (2, 0.35): (4.6, None), (4, 0.7): (4.9, 5.0),
+              (4, 0.35): (4.95, 5.05)}  # fmt: skip
+    for (workers, lr), by_seed in losses.items():
+        for seed, loss in enumerate(by_seed):
+            write_run(tmp_path, f"diloco-R{workers}-lr{lr}-s{seed}", "diloco", workers, seed,
+                      loss, outer_lr=lr)  # fmt: skip
+    output = io.StringIO()
+    summary = sweep_report.report_sweep(tmp_path, console=Console(file=output, width=200),
+                                        figures=False)  # fmt: skip
+    assert {row.workers: row.outer_lr for row in summary} == {2: 0.7, 4: 0.7}
+    [tuned] = sweep_report.tuned_settings(summary)
+    assert tuned["outer_lr"] == 0.7
+    assert math.isclose(tuned["mean_loss"], (4.75 + 4.95) / 2)
+    assert tuned["incomplete"] == ["outer lr 0.35, momentum 0.9"]
+    assert "tuned without outer lr 0.35, momentum 0.9" in output.getvalue()
+
+
 # -- the staged protocol's decisions (docs/results/aggregators_tuned.py) ---------------------------
 def test_protocol_decisions_by_hand(tmp_path, capsys):
     decide = load_script("aggregators_tuned")
@@ -348,12 +405,22 @@ def test_protocol_decisions_by_hand(tmp_path, capsys):
     assert capsys.readouterr().out == "0.002\n"
     assert decide.main(["inner", *folders[:2]]) == 1  # best at the grid's high edge
     assert "extend the grid" in capsys.readouterr().err
+    # a folder whose DiLoCo cells are unfinished cannot win on its (low) dp loss alone
+    early = tmp_path / "lr0.003"
+    write_run(early, "dp-s9", "dp", 1, 9, 2.0, inner_lr=3e-3)
+    write_run(early, "diloco-R2-s9", "diloco", 2, 9, None, inner_lr=3e-3)
+    assert decide.main(["inner", *folders, str(early)]) == 1
+    assert "lr0.003: not finished (diloco R=2, diloco R=4)" in capsys.readouterr().err
 
     tuned = [{"aggregator": "isoloco", "inner_steps": 10, "outer_lr": 1.8, "outer_momentum": 0.9,
-              "workers": [2, 8], "mean_loss": 5.0, "grid_edges": []},
+              "workers": [2, 8], "mean_loss": 5.0, "grid_edges": [], "incomplete": [],
+              "grid_edges_at_R": {"2": [], "8": []}},
              {"aggregator": "tsv", "inner_steps": 10, "outer_lr": 0.6, "outer_momentum": 0.0,
-              "workers": [2, 8], "mean_loss": 5.1, "grid_edges": []}]  # fmt: skip
+              "workers": [2, 8], "mean_loss": 5.1, "grid_edges": [], "incomplete": [],
+              "grid_edges_at_R": {"2": [], "8": []}}]  # fmt: skip
     (tmp_path / sweep_report.TUNED_FILE).write_text(json.dumps(tuned))
+    for aggregator in ("isoloco", "tsv"):
+        write_run(tmp_path, f"{aggregator}-R2-s900", aggregator, 2, 900, 5.0)
     assert decide.main(["flags", str(tmp_path)]) == 0
     assert capsys.readouterr().out == (
         "--outer-lr-grid isoloco=1.8 --outer-momentum-grid isoloco=0.9 --outer-lr-grid tsv=0.6\n"
@@ -362,10 +429,25 @@ def test_protocol_decisions_by_hand(tmp_path, capsys):
     assert capsys.readouterr().out == "--outer-lr-grid tsv=0.6\n"
     assert decide.main(["flags", str(tmp_path), "--aggregators", "tsv,ties"]) == 1
     assert "no tuned values for ties" in capsys.readouterr().err
-    tuned[1]["grid_edges"] = ["outer lr: lowest tried"]
+    refusals = [  # what else keeps the tuned values from stage 5
+        ("grid_edges", ["outer lr: lowest tried"], "tsv (outer lr: lowest tried)"),
+        ("grid_edges_at_R", {"2": [], "8": ["outer lr: highest tried"]},
+         "tsv R=8 (outer lr: highest tried)"),
+        ("incomplete", ["outer lr 0.3, momentum preset"],
+         "tsv lacks outer lr 0.3, momentum preset"),
+    ]  # fmt: skip
+    for key, value, message in refusals:
+        changed = [tuned[0], {**tuned[1], key: value}]
+        (tmp_path / sweep_report.TUNED_FILE).write_text(json.dumps(changed))
+        assert decide.main(["flags", str(tmp_path)]) == 1
+        assert message in capsys.readouterr().err
     (tmp_path / sweep_report.TUNED_FILE).write_text(json.dumps(tuned))
+    write_run(tmp_path, "ties-R2-s900", "ties", 2, 900, 5.2)  # swept, but not in tuned.json
     assert decide.main(["flags", str(tmp_path)]) == 1
-    assert "tsv (outer lr: lowest tried)" in capsys.readouterr().err
+    assert "no tuned values for ties" in capsys.readouterr().err
+    write_run(tmp_path, "ties-R4-s900", "ties", 4, 900, None)  # and unfinished
+    assert decide.main(["flags", str(tmp_path)]) == 1
+    assert "1 unfinished run(s) (ties-R4-s900)" in capsys.readouterr().err
 
     # evaluation noise: model b is model a + (0.1, 0.3, 0.2, 0.4) on four parts
     a_losses, shifts = (4.0, 5.0, 3.0, 6.0), (0.1, 0.3, 0.2, 0.4)

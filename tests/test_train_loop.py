@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -332,6 +333,26 @@ def test_non_finite_loss_stops_naming_round_and_checkpoint(corpus, tmp_path, mon
     with pytest.raises(TrainingDiverged, match=r"round 2: train loss is nan.*round-000001"):
         train(tiny_config(corpus, tmp_path, checkpoint_every=1), progress=False)
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "round-000001"
+
+
+@pytest.mark.parametrize("poisoned_at", [2, 4])  # an eval mid-run, the final one
+def test_non_finite_validation_loss_stops_the_run(corpus, tmp_path, monkeypatch, poisoned_at):
+    """A validation loss that is inf is refused as a divergence, never written to the log
+    (where a reader could not parse it, and the run would look unfinished)."""
+    real_evaluate, calls = rounds.evaluate, []
+
+    def poisoned_evaluate(*args, **kwargs):
+        calls.append(1)
+        return float("inf") if 2 * len(calls) == poisoned_at else real_evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(rounds, "evaluate", poisoned_evaluate)
+    config = tiny_config(corpus, tmp_path, checkpoint_every=1, eval_every=2)
+    last_good = {2: 1, 4: 4}[poisoned_at]  # mid-run: before this round's checkpoint
+    message = rf"round {poisoned_at}: validation loss is inf; stopping.*round-00000{last_good}"
+    with pytest.raises(TrainingDiverged, match=message):
+        train(config, progress=False)
+    assert all(math.isfinite(e.get("val_loss", 0.0)) for e in read_metrics(tmp_path))
+    assert not (tmp_path / "final").exists()
 
 
 # -- command line ----------------------------------------------------------------------------------

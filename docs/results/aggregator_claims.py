@@ -17,10 +17,20 @@ from rich.console import Console
 from rich.table import Table
 
 from mergekit_loco.compare.runs import BASELINE, load_runs
-from mergekit_loco.compare.stats import format_interval, paired_difference, paired_interval
-from mergekit_loco.compare.sweep_report import SummaryRow, orderings, summarize
+from mergekit_loco.compare.stats import paired_difference
+from mergekit_loco.compare.sweep_report import (
+    SummaryRow,
+    format_difference,
+    orderings,
+    summarize,
+)
 
-#: (claim, a, b): the claim holds where a's loss is lower than b's (delta < 0), beyond the noise.
+#: (claim, a, b), read on ``a - b`` per R. "beats": the claim holds where the interval lies
+#: below 0, fails where it lies above 0, cannot be told where it holds 0. "vs": a two-sided
+#: comparison, stated as the ordering the interval shows. Claim 3 ("stays close") is an
+#: equivalence claim, fixed before the data: it holds where the whole interval lies within
+#: +-0.05 nats (the protocol's flatness tolerance), fails where it excludes 0 by more, and
+#: cannot be told otherwise; "n.s." alone is not evidence of closeness.
 CLAIMS = [
     ("1. Iso-C beats averaging without momentum", "isoc-sgd", "diloco-sgd"),
     ("1. ... and momentum-DiLoCo without momentum", "isoc-sgd", "diloco"),
@@ -41,9 +51,10 @@ def key(aggregator: str, workers: int, steps: int) -> tuple[str, int, int]:
 
 
 def difference(left: SummaryRow, right: SummaryRow, rule: str, digits: int) -> str:
-    """``left - right`` paired by seed, marked by ``rule``."""
+    """``left - right`` paired by seed, marked by ``rule`` (a failed run: the seeds it failed
+    on, as in ``mloco report``)."""
     if rule == "t":
-        return format_interval(paired_interval(left.losses, right.losses), digits)
+        return format_difference(left, right, digits)
     delta, significant = paired_difference(left.losses, right.losses)
     return f"{delta:+.{digits}f}" + {True: "", False: " n.s.", None: " ?"}[significant]
 

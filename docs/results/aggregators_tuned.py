@@ -77,10 +77,18 @@ def horizon(folder: str, tolerance: float) -> int:
 
 def inner(folders: list[str]) -> int:
     """The inner lr (of the folders, one per ``--inner-lr``) with the lowest mean loss over the
-    baseline and DiLoCo at every R swept."""
+    baseline and DiLoCo at every R swept. Every folder must hold the same cells, all finished
+    (a failed run counts as an infinite loss): a mean over fewer cells is not comparable."""
+    runs = {folder: load_runs(folder) for folder in folders}
+    cells = {(r.aggregator, r.workers) for found in runs.values() for r in found}
     scores = {}
-    for folder in folders:
-        rows = [r for r in summarize(load_runs(folder)) if r.aggregator in ("diloco", BASELINE)]
+    for folder, found in runs.items():
+        done = {(r.aggregator, r.workers) for r in found if r.status != "unfinished"}
+        if done != cells:
+            missing = sorted(f"{a} R={w}" for a, w in cells - done)
+            say(f"{folder}: not finished ({', '.join(missing)}); rerun the sweep to finish it")
+            return 1
+        rows = [r for r in summarize(found) if r.aggregator in ("diloco", BASELINE)]
         [lr] = {run_config_lr(folder)}
         scores[lr] = sum(row.loss.mean for row in rows) / len(rows)
         say(f"inner lr {lr:g}: " + ", ".join(
@@ -104,26 +112,39 @@ def run_config_lr(folder: str) -> float:
 
 def flags(folder: str, aggregators: str | None = None) -> int:
     """``--outer-lr-grid name=lr ... --outer-momentum-grid name=m ...`` of tuned.json (of the
-    comma-separated ``aggregators`` only, when given)."""
+    comma-separated ``aggregators`` only, when given). Refused while a run of the folder is
+    unfinished, a setting was left out of the tuning, or an optimum (over R, or at any one R)
+    sits on a grid edge."""
+    runs = load_runs(folder)
+    pending = [run.name for run in runs if run.status == "unfinished"]
+    if pending:
+        say(f"{folder}: {len(pending)} unfinished run(s) ({', '.join(pending[:4])}); rerun the "
+            "sweep to finish them")  # fmt: skip
+        return 1
     tuned = json.loads((Path(folder) / TUNED_FILE).read_text())
-    if aggregators is not None:
-        wanted = aggregators.split(",")
-        missing = sorted(set(wanted) - {entry["aggregator"] for entry in tuned})
-        if missing:
-            say(f"{folder}: {TUNED_FILE} holds no tuned values for {', '.join(missing)}")
-            return 1
-        tuned = [entry for entry in tuned if entry["aggregator"] in wanted]
-    words, edges = [], []
+    swept = {run.aggregator for run in runs if run.aggregator != BASELINE}
+    wanted = set(aggregators.split(",")) if aggregators is not None else swept
+    missing = sorted(wanted - {entry["aggregator"] for entry in tuned})
+    if missing:
+        say(f"{folder}: {TUNED_FILE} holds no tuned values for {', '.join(missing)}")
+        return 1
+    tuned = [entry for entry in tuned if entry["aggregator"] in wanted]
+    words, problems = [], []
     for entry in tuned:
-        say(f"{entry['aggregator']}: outer lr {entry['outer_lr']:g}, momentum "
-            f"{entry['outer_momentum']}, mean loss {entry['mean_loss']:.4f} over R "
-            f"{entry['workers']}")  # fmt: skip
-        words.append(f"--outer-lr-grid {entry['aggregator']}={entry['outer_lr']:g}")
+        name = entry["aggregator"]
+        say(f"{name}: outer lr {entry['outer_lr']:g}, momentum {entry['outer_momentum']}, mean "
+            f"loss {entry['mean_loss']:.4f} over R {entry['workers']}")  # fmt: skip
+        words.append(f"--outer-lr-grid {name}={entry['outer_lr']:g}")
         if entry["outer_momentum"]:
-            words.append(f"--outer-momentum-grid {entry['aggregator']}={entry['outer_momentum']:g}")
-        edges += [f"{entry['aggregator']} ({edge})" for edge in entry["grid_edges"]]
-    if edges:
-        say(f"at a grid edge, extend the grid and tune again: {', '.join(edges)}")
+            words.append(f"--outer-momentum-grid {name}={entry['outer_momentum']:g}")
+        problems += [f"{name} ({edge})" for edge in entry["grid_edges"]]
+        problems += [f"{name} R={workers} ({edge})"
+                     for workers, edges in entry.get("grid_edges_at_R", {}).items()
+                     for edge in edges]  # fmt: skip
+        problems += [f"{name} lacks {setting}" for setting in entry.get("incomplete", [])]
+    if problems:
+        say(f"not tuned yet: extend the grid or finish the sweep, and tune again: "
+            f"{', '.join(problems)}")  # fmt: skip
         return 1
     print(" ".join(words))
     return 0

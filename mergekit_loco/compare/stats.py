@@ -96,16 +96,26 @@ def paired_interval(
 
 
 def ordering(losses: Mapping[str, Mapping[int, float]], confidence: float = CONFIDENCE) -> str:
-    """Names sorted by mean loss, joined by ``<`` where the paired interval of the neighbours'
-    difference excludes 0 and by ``~`` where it does not (cannot tell), e.g. ``a < b ~ c``."""
-    means = {name: spread(list(by_seed.values())).mean for name, by_seed in losses.items()}
-    names = sorted(means, key=lambda name: (math.isnan(means[name]), means[name]))
-    if not names:
+    """Names sorted by their mean loss over the seeds all of them ran, joined by ``<`` where the
+    paired interval of the neighbours' difference lies below 0 and by ``~`` where it does not
+    (cannot tell), e.g. ``a < b ~ c``. Seeds some names lack are left out of the ranking and the
+    intervals alike (so a name cannot rank on one set of seeds and be compared on another), and
+    the text says which seeds it used: ``a < b (seeds 0, 1: the ones all ran)``."""
+    if not losses:
         return ""
+    every = set.union(*(set(by_seed) for by_seed in losses.values()))
+    seeds = set.intersection(*(set(by_seed) for by_seed in losses.values()))
+    shared = {name: {s: by_seed[s] for s in seeds} for name, by_seed in losses.items()}
+    means = {name: spread(list(by_seed.values())).mean if seeds else math.nan
+             for name, by_seed in shared.items()}  # fmt: skip
+    names = sorted(means, key=lambda name: (math.isnan(means[name]), means[name], name))
     text = names[0]
     for previous, name in zip(names, names[1:], strict=False):
-        interval = paired_interval(losses[previous], losses[name], confidence)
-        text += (" < " if interval.separated else " ~ ") + name
+        interval = paired_interval(shared[previous], shared[name], confidence)
+        text += (" < " if interval.separated and interval.high < 0 else " ~ ") + name
+    if seeds != every:
+        used = ", ".join(map(str, sorted(seeds))) or "none"
+        text += f" (seeds {used}: the ones all ran)"
     return text
 
 

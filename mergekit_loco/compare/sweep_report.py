@@ -7,6 +7,7 @@ Everything is read from what the runs left on disk (:mod:`mergekit_loco.compare.
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -97,8 +98,7 @@ def summarize(runs: Iterable[Run]) -> list[SummaryRow]:
     rows = []
     for (aggregator, workers, inner_steps), by_setting in cells.items():
         spreads = {s: spread(list(losses.values())) for s, losses in by_setting.items()}
-        most = max(len(losses) for losses in by_setting.values())
-        complete = [s for s, losses in by_setting.items() if len(losses) == most]
+        complete = sorted(most_seeds(spreads), key=_sort_key)
         best = min(complete, key=lambda s: spreads[s].mean)
         sweep = tuple(sorted(spreads.items(), key=lambda item: _sort_key(item[0])))
         rows.append(SummaryRow(aggregator, workers, inner_steps, *best, by_setting[best], sweep))
@@ -111,8 +111,10 @@ def _sort_key(setting: Setting) -> tuple[float, float]:
 
 def tuned_settings(summary: Sequence[SummaryRow]) -> list[dict]:
     """Per (aggregator, H) swept at one or more R: the setting with the lowest mean over those
-    R of the seed-mean loss, among the settings tried at every R, with the R used and the grid
-    edges it sits on (a value at an edge means: extend the grid and tune again)."""
+    R of the seed-mean loss, among the settings finished at every R with the most seeds there
+    (as :func:`summarize` chooses per R), with the R used, the grid edges it sits on, the edges
+    of each R's own best (a value at an edge means: extend the grid and tune again), and the
+    settings left out because some R lacks them or some of their seeds (``incomplete``)."""
     groups: dict[tuple[str, int], list[SummaryRow]] = defaultdict(list)
     for row in summary:
         if not row.is_baseline and len(row.sweep) > 1:
@@ -120,7 +122,8 @@ def tuned_settings(summary: Sequence[SummaryRow]) -> list[dict]:
     tuned = []
     for (aggregator, steps), rows in sorted(groups.items()):
         by_setting = [dict(row.sweep) for row in rows]
-        shared = set.intersection(*(set(settings) for settings in by_setting))
+        tried = set.union(*(set(settings) for settings in by_setting))
+        shared = set.intersection(*(most_seeds(settings) for settings in by_setting))
         if not shared:
             continue
         score = {s: sum(settings[s].mean for settings in by_setting) / len(rows) for s in shared}
@@ -134,9 +137,23 @@ def tuned_settings(summary: Sequence[SummaryRow]) -> list[dict]:
                 "workers": sorted(row.workers for row in rows),
                 "mean_loss": score[best],
                 "grid_edges": list(grid_edges(shared, best)),
+                "grid_edges_at_R": {str(r.workers): list(r.grid_edges) for r in rows},
+                "incomplete": [describe_setting(s) for s in sorted(tried - shared, key=_sort_key)],
             }
         )
     return tuned
+
+
+def most_seeds(settings: Mapping[Setting, Spread]) -> set[Setting]:
+    """The settings finished on the most seeds (the others cannot win on fewer runs)."""
+    most = max(spread.n for spread in settings.values())
+    return {setting for setting, spread in settings.items() if spread.n == most}
+
+
+def describe_setting(setting: Setting) -> str:
+    """``outer lr 0.35, momentum 0.9`` (None: the preset's value)."""
+    lr, momentum = (("preset" if v is None else f"{v:g}") for v in setting)
+    return f"outer lr {lr}, momentum {momentum}"
 
 
 # -- tables -----------------------------------------------------------------------------------
@@ -154,18 +171,30 @@ def best_in_group(summary: Sequence[SummaryRow], row: SummaryRow) -> SummaryRow:
     return min(group, key=lambda r: r.loss.mean)
 
 
-def format_difference(row: SummaryRow, other: SummaryRow | None) -> str:
-    """``row - other`` paired by seed with its t-interval (see :func:`stats.format_interval`)."""
+def format_difference(row: SummaryRow, other: SummaryRow | None, digits: int = 4) -> str:
+    """``row - other`` paired by seed with its t-interval (see :func:`stats.format_interval`),
+    ``(n=2)`` after it where fewer seeds pair up than either cell ran, or ``failed (seeds 0,
+    2)``: the seeds on which either run failed (no difference is formed)."""
     if other is None or row is other:
         return ""
-    if any(loss == float("inf") for loss in (row.loss.mean, other.loss.mean)):
-        return "failed"
-    return format_interval(paired_interval(row.losses, other.losses))
+    failed = sorted(
+        seed
+        for losses in (row.losses, other.losses)
+        for seed, loss in losses.items()
+        if math.isinf(loss)
+    )
+    if failed:
+        return f"failed (seeds {', '.join(map(str, sorted(set(failed))))})"
+    interval = paired_interval(row.losses, other.losses)
+    text = format_interval(interval, digits)
+    if 0 < interval.n < max(len(row.losses), len(other.losses)):
+        text += f" (n={interval.n})"
+    return text
 
 
 SIGNIFICANCE_NOTE = (
     "± is the std over seeds. Differences are paired by seed, with a 95% t-interval; n.s. = "
-    "the interval holds 0 (cannot tell); ? = one seed."
+    "the interval holds 0 (cannot tell); ? = one seed; (n=2) = only 2 seeds pair up."
 )
 
 
@@ -339,6 +368,13 @@ def report_sweep(
         tuned = tuned_settings(summary)
         if tuned:
             console.print(tuned_table(tuned))
+        for entry in tuned:
+            if entry["incomplete"]:
+                console.print(
+                    f"{entry['aggregator']} H={entry['inner_steps']}: tuned without "
+                    f"{'; '.join(entry['incomplete'])} (not finished at every R on every seed)",
+                    highlight=False,
+                )
         edges = [
             f"{r.aggregator} R={r.workers} H={r.inner_steps} ({'; '.join(r.grid_edges)})"
             for r in summary

@@ -66,6 +66,13 @@ def check_finite_loss(train_loss: float, round_number: int) -> None:
         raise TrainingDiverged(f"round {round_number}: train loss is {train_loss}")
 
 
+def check_finite_val_loss(val_loss: float, round_number: int) -> None:
+    """A validation loss that is not a number stops the run (its metrics line could not be
+    read back, so the run would look unfinished rather than failed)."""
+    if not math.isfinite(val_loss):
+        raise TrainingDiverged(f"round {round_number}: validation loss is {val_loss}")
+
+
 def parameter_norm(params: Mapping[str, torch.Tensor]) -> float:
     """``sqrt(sum_n ||p_n||^2)``, accumulated in float64; inf or nan if any entry is."""
     norms = [torch.linalg.vector_norm(t, dtype=torch.float64) for t in params.values()]

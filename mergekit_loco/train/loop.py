@@ -23,7 +23,9 @@ from mergekit_loco.train.config import TrainConfig
 from mergekit_loco.train.guards import (
     TrainingDiverged,
     check_finite_loss,
+    check_finite_val_loss,
     check_not_exploded,
+    last_good_message,
     naming_the_last_checkpoint,
     parameter_norm,
 )
@@ -113,9 +115,9 @@ def log_round(run: Run, train_loss: float, round_seconds: float) -> None:
         **communication_metrics(run),
     )
     if config.run.eval_every and completed % config.run.eval_every == 0 and completed < run.rounds:
-        if run.group.is_main:
-            val_loss = turns.evaluate(run.model, run.data, config)
-            run.metrics.write(event="eval", round=completed, val_loss=val_loss)
+        val_loss = turns.evaluate(run.model, run.data, config) if run.group.is_main else None
+        check_finite_val_loss(run.group.broadcast(val_loss), completed)
+        run.metrics.write(event="eval", round=completed, val_loss=val_loss)
     every = config.checkpoint.every
     if (
         completed == run.rounds
@@ -134,11 +136,14 @@ def finish(run: Run, summary: bool) -> TrainResult:
     if run.completed < run.rounds:  # stop_after: no final model, resume continues
         return TrainResult(run.out, None, run.completed, checksum, tokens, run.wall_seconds,
                            finished=False)  # fmt: skip
-    val_loss = None
-    if group.is_main:
-        val_loss = turns.evaluate(run.model, run.data, config)
-        save_final(run.out / FINAL, run.model, run.tokenizer)
+    val_loss = turns.evaluate(run.model, run.data, config) if group.is_main else None
     val_loss = group.broadcast(val_loss)
+    try:
+        check_finite_val_loss(val_loss, run.rounds)
+    except TrainingDiverged as error:
+        raise TrainingDiverged(f"{error}; stopping. {last_good_message(run.last_saved)}") from None
+    if group.is_main:
+        save_final(run.out / FINAL, run.model, run.tokenizer)
     seconds = run.wall_seconds
     run.metrics.write(event="final", round=run.rounds, tokens=tokens, val_loss=val_loss,
                       train_loss=run.train_loss, checksum=checksum, seconds=seconds)  # fmt: skip
