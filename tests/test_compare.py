@@ -337,6 +337,11 @@ def test_compare_command_errors_are_one_line(capsys):
         (["--workers", "2,x"], "--workers: '2,x' is not a comma-separated list of int"),
         (["--seeds", "0"], "--seeds: '0' is neither a count >= 1 nor a list like 0,1,2"),
         (["--seeds", "1,-2"], "--seeds: '1,-2' needs seeds >= 0"),
+        (
+            ["--seeds", "900"],
+            "--seeds 900 would run 900 seeds per cell (a count); for the one "
+            "seed 900, write it as a list: --seeds 900,",
+        ),
         (["--val-seed", "-3"], "val_seed must be an integer in [0, 2**63), got -3"),
         (
             ["--outer-momentum-grid", "0.9,1"],

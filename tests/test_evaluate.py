@@ -154,3 +154,18 @@ def test_plus_joins_sources_into_the_one_dataset_training_reads(model_folder, co
     with pytest.raises(SystemExit):
         cli.main(["eval", str(model_folder), "--data", spec, "--tokens", "200", "--json"])
     assert [r["data"] for r in json.loads(capsys.readouterr().out)] == [corpus, str(second)]
+
+
+def test_a_data_path_with_commas_is_one_dataset(model_folder, corpus, tmp_path, capsys):
+    """``--data`` of eval keeps an existing path whose name holds commas whole (as train's
+    does), beside a plain second dataset."""
+    odd = tmp_path / "code,2024"
+    shutil.copytree(corpus, odd)
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["eval", str(model_folder), "--data", f"{odd},{corpus}", "--tokens", "200",
+                  "--seq-len", str(SEQ_LEN), "--json"])  # fmt: skip
+    assert exited.value.code == 0
+    records = json.loads(capsys.readouterr().out)
+    assert [r["data"] for r in records] == [str(odd), corpus]
+    expected, _ = direct_loss(model_folder, held_out_tokens(str(odd), model_folder, 200))
+    assert math.isclose(records[0]["loss"], expected, rel_tol=1e-5)

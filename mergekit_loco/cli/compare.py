@@ -36,17 +36,31 @@ def split_list(option: str, text: str | None, kind: type = str) -> list:
         ) from None
 
 
-def split_datasets(option: str, text: str | None) -> list[str]:
+def split_paths(text: str | None) -> list[str]:
+    """``"a,b"`` -> ``["a", "b"]`` (empty items dropped), keeping a path whose name holds commas
+    whole where it exists (:func:`~mergekit_loco.train.sources.split_sources`)."""
+    from mergekit_loco.train.sources import split_sources
+
+    return [item for item in split_sources(text) if item] if text else []
+
+
+def split_datasets(text: str | None) -> list[str]:
     """``"stdlib,pydoc"`` -> two datasets; ``"stdlib+torchsrc"`` -> one dataset of both sources,
-    the spec ``train --data stdlib,torchsrc`` reads (an existing path is taken as it is)."""
+    the spec ``train --data stdlib,torchsrc`` reads (an existing path is taken as it is, commas
+    or pluses in its name and all)."""
     return [
         item if Path(item).expanduser().exists() else item.replace("+", ",")
-        for item in split_list(option, text)
+        for item in split_paths(text)
     ]
 
 
+#: A count of seeds above this is taken for a seed written without its trailing comma.
+MAX_SEED_COUNT = 100
+
+
 def parse_seeds(text: str) -> tuple[int, ...]:
-    """``"3"`` -> seeds 0, 1, 2 (a count); ``"101,202"`` or ``"7,"`` -> those seeds (a list)."""
+    """``"3"`` -> seeds 0, 1, 2 (a count, at most :data:`MAX_SEED_COUNT`); ``"101,202"`` or
+    ``"7,"`` -> those seeds (a list)."""
     seeds = split_list("--seeds", text, int)
     if "," in text:
         if not seeds or any(seed < 0 for seed in seeds):
@@ -54,6 +68,11 @@ def parse_seeds(text: str) -> tuple[int, ...]:
         return tuple(seeds)
     if len(seeds) != 1 or seeds[0] < 1:
         raise ValueError(f"--seeds: {text!r} is neither a count >= 1 nor a list like 0,1,2")
+    if seeds[0] > MAX_SEED_COUNT:
+        raise ValueError(
+            f"--seeds {seeds[0]} would run {seeds[0]} seeds per cell (a count); for the one seed "
+            f"{seeds[0]}, write it as a list: --seeds {seeds[0]},"
+        )
     return tuple(range(seeds[0]))
 
 
@@ -166,8 +185,8 @@ def compare_command(
 
         compare_merges(
             base=base,
-            finetuned=split_list("--finetuned", finetuned),
-            data=split_datasets("--data", data),
+            finetuned=split_paths(finetuned),
+            data=split_datasets(data),
             methods=split_list("--methods", methods),
             scales=split_list("--scales", scales, float),
             out=output,
@@ -266,7 +285,7 @@ def eval_command(
 
     results = evaluate.evaluate_models(
         models,
-        split_datasets("--data", data),
+        split_datasets(data),
         tokens=tokens,
         seq_len=seq_len,
         tokenizer=tokenizer,
