@@ -313,6 +313,52 @@ def test_claims_name_failed_seeds_and_short_pairs(tmp_path):
     )
 
 
+def test_claim_verdicts_by_hand():
+    """Verdicts per claim kind on hand-made paired losses (3 seeds; t_{0.975,2} = 4.3027):
+    differences a - b of (-0.30, -0.20, -0.25) have mean -0.25, sd 0.05, half-width
+    4.3027 x 0.05 / sqrt 3 = 0.1242: separated below 0."""
+    from scipy.stats import ttest_rel
+
+    claims = load_script("aggregator_claims")
+
+    def row(name: str, losses: dict) -> sweep_report.SummaryRow:
+        return sweep_report.SummaryRow(name, 1 if name == "dp" else 2, 0 if name == "dp" else 10,
+                                       None, None, losses, ())  # fmt: skip
+
+    base = {0: 4.0, 1: 4.2, 2: 4.1}
+    shifted = {s: v + d for (s, v), d in zip(base.items(), (-0.30, -0.20, -0.25), strict=True)}
+    near = {s: v + d for (s, v), d in zip(base.items(), (0.01, -0.01, 0.005), strict=True)}
+    rows = {
+        ("diloco", 2, 10): row("diloco", base),
+        ("isoloco", 2, 10): row("isoloco", shifted),  # beats diloco: holds
+        ("isoc-sgd", 2, 10): row("isoc-sgd", base),
+        ("diloco-sgd", 2, 10): row("diloco-sgd", shifted),  # isoc-sgd is worse: fails
+        ("isoloco-ns", 2, 10): row(
+            "isoloco-ns", {s: v + near[s] - base[s] for s, v in shifted.items()}
+        ),  # fmt: skip
+        ("tsv", 2, 10): row("tsv", near),  # vs diloco: within noise
+        ("dp", 1, 0): row("dp", shifted),
+    }
+    found = {f["claim"]: f for f in claims.verdicts(rows)}
+    assert found["2. IsoLoCo beats DiLoCo"]["verdict"] == "holds"
+    assert found["1. Iso-C beats averaging without momentum"]["verdict"] == "fails"
+    assert found["1. ... and momentum-DiLoCo without momentum"]["verdict"] == "cannot tell"
+    # isoloco-ns - isoloco = (0.01, -0.01, 0.005): mean 0.00167, sd 0.01041, half 0.02586:
+    # inside +-0.05, so "close" holds
+    assert found["3. NS stays close to exact Iso-C"]["verdict"] == "holds"
+    assert found["4. TSV vs DiLoCo"]["verdict"] == "cannot tell"
+    assert found["DiLoCo vs data-parallel AdamW"]["verdict"] == "dp better"
+    assert "4. TIES vs DiLoCo" not in found  # no ties cell
+    # p-values: scipy's paired t-test on the same numbers
+    expected = ttest_rel(list(shifted.values()), list(base.values())).pvalue
+    assert math.isclose(found["2. IsoLoCo beats DiLoCo"]["p"], expected, rel_tol=1e-9)
+    assert found["3. NS stays close to exact Iso-C"]["p"] is None  # an equivalence, not a test
+    # Holm by hand: m = 4, ascending p: reject while p_(k) <= 0.05 / (4 - k)
+    assert claims.holm({"a": 0.01, "b": 0.04, "c": 0.012, "d": 0.3}) == {"a", "c"}
+    assert claims.holm({"a": 0.0125, "b": 0.0166}) == {"a", "b"}  # 0.0125 <= 0.025, 0.0166 <= 0.05
+    assert claims.holm({"a": 0.03, "b": 0.04}) == set()  # 0.03 > 0.025 stops at once
+
+
 def test_published_merge_tables_reproduce_from_merge_results(tmp_path):
     documents = merge_report.documents_from_results(RESULTS / "merging" / "merge_results.json")
     merge_report.report_documents(documents, tmp_path, figures=False)

@@ -5,19 +5,24 @@
 RESULTS is a ``mloco compare`` folder (its ``runs/``) or a published folder holding only its
 ``results.csv``. ``--rule t`` (default) gives each difference its 95% t-interval and orders
 aggregators only where intervals separate; ``--rule sd`` is the rule of the first, untuned
-tables (a difference counts when larger than the sd of its per-seed differences).
+tables (a difference counts when larger than the sd of its per-seed differences). With ``t``
+a verdict table follows: per claim and R, holds / fails / cannot tell by the rules of
+:data:`CLAIMS`, fixed before the tuned runs, and which differences survive Holm's correction
+for the number of intervals.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Mapping
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
 from mergekit_loco.compare.runs import BASELINE, load_runs
-from mergekit_loco.compare.stats import paired_difference
+from mergekit_loco.compare.stats import PairedInterval, paired_difference, paired_interval
 from mergekit_loco.compare.sweep_report import (
     SummaryRow,
     format_difference,
@@ -25,24 +30,26 @@ from mergekit_loco.compare.sweep_report import (
     summarize,
 )
 
-#: (claim, a, b), read on ``a - b`` per R. "beats": the claim holds where the interval lies
-#: below 0, fails where it lies above 0, cannot be told where it holds 0. "vs": a two-sided
-#: comparison, stated as the ordering the interval shows. Claim 3 ("stays close") is an
-#: equivalence claim, fixed before the data: it holds where the whole interval lies within
-#: +-0.05 nats (the protocol's flatness tolerance), fails where it excludes 0 by more, and
-#: cannot be told otherwise; "n.s." alone is not evidence of closeness.
+#: (claim, a, b, kind), read on ``a - b`` per R, fixed before the tuned runs:
+#: "beats" (a's loss is lower): holds where the interval lies below 0, fails where it lies
+#: above 0, cannot be told where it holds 0. "close" (claim 3, an equivalence claim): holds
+#: where the whole interval lies within +-CLOSE nats, fails where it lies wholly outside,
+#: cannot be told otherwise ("n.s." alone is no evidence of closeness). "vs": two-sided, the
+#: better of the two where the interval excludes 0.
 CLAIMS = [
-    ("1. Iso-C beats averaging without momentum", "isoc-sgd", "diloco-sgd"),
-    ("1. ... and momentum-DiLoCo without momentum", "isoc-sgd", "diloco"),
-    ("2. IsoLoCo beats DiLoCo", "isoloco", "diloco"),
-    ("3. NS stays close to exact Iso-C", "isoloco-ns", "isoloco"),
-    ("4. TIES vs DiLoCo", "ties", "diloco"),
-    ("4. TSV vs DiLoCo", "tsv", "diloco"),
-    ("4. Iso-CTS vs DiLoCo", "iso-cts", "diloco"),
-    ("4. Iso-CTS vs Iso-C (no momentum)", "iso-cts", "isoc-sgd"),
-    ("DiLoCo vs data-parallel AdamW", "diloco", BASELINE),
-    ("IsoLoCo vs data-parallel AdamW", "isoloco", BASELINE),
+    ("1. Iso-C beats averaging without momentum", "isoc-sgd", "diloco-sgd", "beats"),
+    ("1. ... and momentum-DiLoCo without momentum", "isoc-sgd", "diloco", "beats"),
+    ("2. IsoLoCo beats DiLoCo", "isoloco", "diloco", "beats"),
+    ("3. NS stays close to exact Iso-C", "isoloco-ns", "isoloco", "close"),
+    ("4. TIES vs DiLoCo", "ties", "diloco", "vs"),
+    ("4. TSV vs DiLoCo", "tsv", "diloco", "vs"),
+    ("4. Iso-CTS vs DiLoCo", "iso-cts", "diloco", "vs"),
+    ("4. Iso-CTS vs Iso-C (no momentum)", "iso-cts", "isoc-sgd", "vs"),
+    ("DiLoCo vs data-parallel AdamW", "diloco", BASELINE, "vs"),
+    ("IsoLoCo vs data-parallel AdamW", "isoloco", BASELINE, "vs"),
 ]
+#: The equivalence margin of "close", in nats: the protocol's flatness tolerance.
+CLOSE = 0.05
 
 
 def key(aggregator: str, workers: int, steps: int) -> tuple[str, int, int]:
@@ -65,7 +72,7 @@ def claim_rows(
     """The (H, R) settings, and per claim ``[claim, "a - b", cell per setting]``."""
     settings = sorted({(r.inner_steps, r.workers) for r in rows.values() if not r.is_baseline})
     table = []
-    for claim, a, b in CLAIMS:
+    for claim, a, b, _kind in CLAIMS:
         cells = []
         for steps, workers in settings:
             left, right = rows.get(key(a, workers, steps)), rows.get(key(b, workers, steps))
@@ -73,6 +80,73 @@ def claim_rows(
                          difference(left, right, rule, digits))  # fmt: skip
         table.append([claim, f"{a} - {b}", *cells])
     return settings, table
+
+
+def verdict(interval: PairedInterval, kind: str, a: str, b: str) -> str:
+    """The claim's reading of one interval of ``a - b`` (see :data:`CLAIMS`)."""
+    if interval.separated is None:
+        return "cannot tell (no interval)"
+    if kind == "close":
+        if -CLOSE < interval.low and interval.high < CLOSE:
+            return "holds"
+        if interval.low >= CLOSE or interval.high <= -CLOSE:
+            return "fails"
+        return "cannot tell"
+    if not interval.separated:
+        return "cannot tell"
+    better = a if interval.high < 0 else b
+    if kind == "beats":
+        return "holds" if better == a else "fails"
+    return f"{better} better"
+
+
+def p_value(interval: PairedInterval) -> float:
+    """Two-sided paired t-test of ``mean(d) = 0``: ``2 P(T_{n-1} > |mean| / (sd / sqrt n))``
+    (0 when every difference is the same nonzero number)."""
+    from scipy.stats import t as student_t
+
+    if interval.std == 0:
+        return 0.0 if interval.mean != 0 else 1.0
+    statistic = abs(interval.mean) / (interval.std / math.sqrt(interval.n))
+    return float(2 * student_t.sf(statistic, interval.n - 1))
+
+
+def holm(p_values: Mapping[Any, float], level: float = 0.05) -> set:
+    """The keys whose hypotheses Holm's step-down rejects at family-wise ``level``: sorted
+    ascending, the k-th smallest (k = 0..m-1) is rejected while ``p <= level / (m - k)``."""
+    rejected = set()
+    ordered = sorted(p_values.items(), key=lambda item: item[1])
+    for k, (key_, p) in enumerate(ordered):
+        if p > level / (len(ordered) - k):
+            break
+        rejected.add(key_)
+    return rejected
+
+
+def verdicts(rows: Mapping[tuple, SummaryRow]) -> list[dict]:
+    """Per claim and (H, R): the verdict, the interval's n, and whether a difference (kinds
+    "beats" and "vs") survives Holm's correction over every such interval of the table (40
+    intervals at 95% would separate about 2 times by chance alone)."""
+    settings = sorted({(r.inner_steps, r.workers) for r in rows.values() if not r.is_baseline})
+    found = []
+    for claim, a, b, kind in CLAIMS:
+        for steps, workers in settings:
+            left, right = rows.get(key(a, workers, steps)), rows.get(key(b, workers, steps))
+            if left is None or right is None:
+                continue
+            if any(math.isinf(v) for v in (*left.losses.values(), *right.losses.values())):
+                found.append({"claim": claim, "R": workers, "H": steps, "n": 0,
+                              "verdict": "cannot tell (a run failed)", "p": None})  # fmt: skip
+                continue
+            interval = paired_interval(left.losses, right.losses)
+            tested = kind != "close" and interval.separated is not None
+            found.append({"claim": claim, "R": workers, "H": steps, "n": interval.n,
+                          "verdict": verdict(interval, kind, a, b),
+                          "p": p_value(interval) if tested else None})  # fmt: skip
+    survivors = holm({i: f["p"] for i, f in enumerate(found) if f["p"] is not None})
+    for index, entry in enumerate(found):
+        entry["holm"] = None if entry["p"] is None else index in survivors
+    return found
 
 
 def main(results: str, rule: str = "t") -> None:
@@ -87,9 +161,30 @@ def main(results: str, rule: str = "t") -> None:
         table.add_column(f"R={workers} H={steps}", justify="right")
     for row in claims:
         table.add_row(*row)
-    Console(width=240).print(table)
-    if rule == "t":
-        print("\n".join(orderings(summary)))
+    console = Console(width=240)
+    console.print(table)
+    if rule != "t":
+        return
+    print("\n".join(orderings(summary)))
+    found = verdicts(rows)
+    table = Table(title=f"Verdicts (close: within +-{CLOSE} nats; Holm: the difference survives "
+                        f"Holm's correction over the {sum(f['p'] is not None for f in found)} "
+                        "tested intervals)")  # fmt: skip
+    table.add_column("claim")
+    for steps, workers in settings:
+        table.add_column(f"R={workers} H={steps}")
+    for claim, *_ in CLAIMS:
+        by_setting = {(f["H"], f["R"]): f for f in found if f["claim"] == claim}
+        cells = []
+        for setting in settings:
+            entry = by_setting.get(setting)
+            if entry is None:
+                cells.append("-")
+                continue
+            mark = {True: ", Holm", False: "", None: ""}[entry["holm"]]
+            cells.append(f"{entry['verdict']} (n={entry['n']}{mark})")
+        table.add_row(claim, *cells)
+    console.print(table)
 
 
 if __name__ == "__main__":
