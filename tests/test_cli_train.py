@@ -120,23 +120,29 @@ def test_mode_dp_is_the_dp_preset_and_refuses_what_it_would_ignore(captured_run,
     assert (flat["preset"], flat["inner_lr"], flat["weight_decay"]) == ("dp", 1.95e-3, 0.15)
     assert stdout.splitlines()[0] == "outer step: none (data-parallel AdamW baseline)"
     config_file = tmp_path / "dp.yaml"
-    config_file.write_text("outer_momentum: 0.5\n")
+    config_file.write_text("outer-momentum: 0.5\n")
     refused = {
         ("--preset", "dp", "--outer-lr", "2"): "--outer-lr would be ignored",
         ("--mode", "dp", "--aggregator", "tsv"): "--aggregator would be ignored",
         ("--preset", "dp", "--density", "0.5"): "aggregator option density would be ignored",
         ("--preset", "dp", "--compression", "bf16"): "--compression would be ignored",
         ("--preset", "dp", "--no-nesterov"): "--nesterov would be ignored",
-        ("--preset", "dp", "--config", config_file): f"outer_momentum in {config_file} would",
-        ("--preset", "tsv", "--mode", "dp"): "--preset tsv is a DiLoCo preset, but --mode dp",
+        ("--preset", "dp", "--config", config_file): f"outer-momentum in {config_file} would",
+        ("--preset", "tsv", "--mode", "dp"): "preset tsv (--preset) is a DiLoCo preset, but "
+        "mode dp (--mode) asks",
     }
     for args, message in refused.items():
         captured_run.clear()
         code, _, stderr = run_main(capsys, "train", *args, "--threads", "1")
         assert code == 2 and message in " ".join(stderr.split()), args
         assert not captured_run
-    run_main(capsys, "train", "--preset", "dp", "--outer-lr", "0.7", "--threads", "1")
+    _, stdout, _ = run_main(
+        capsys, "train", "--preset", "dp", "--outer-lr", "0.7", "--threads", "1"
+    )
     assert len(captured_run) == 1  # the value the run has anyway: nothing is ignored
+    assert stdout.splitlines()[0] == "outer step: none (data-parallel AdamW baseline)"
+    _, stdout, _ = run_main(capsys, "train", "--preset", "dp", "--mode", "diloco", "--threads", "1")
+    assert stdout.splitlines()[0].endswith("(the defaults: preset dp has no outer step)")
 
 
 def test_resolved_defaults_threads_and_the_preparing_line(captured_run, capsys, monkeypatch):

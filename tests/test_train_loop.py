@@ -310,6 +310,19 @@ def test_extending_a_finished_run_keeps_its_history_and_its_time(corpus, tmp_pat
     ] and again.val_loss == second.val_loss
 
 
+def test_a_dp_run_started_with_a_diloco_preset_resumes_with_its_own_flags(corpus, tmp_path):
+    """Earlier versions accepted ``--preset diloco --mode dp``; such a run resumes with the
+    same flags, while a new run with them is refused."""
+    old_style = {**tiny_config(corpus, tmp_path).to_dict(), "mode": "dp", "stop_after": 2}
+    stopped = train(TrainConfig.from_dict(old_style), progress=False)
+    assert not stopped.finished
+    flags = dict(preset="diloco", mode="dp", out=str(tmp_path))
+    resumed = train(resolve_config(None, **flags, resume=True), progress=False)
+    assert resumed.finished
+    with pytest.raises(ValueError, match=r"preset diloco \(--preset\) is a DiLoCo preset"):
+        resolve_config(None, **flags, force=True)
+
+
 def test_resume_refuses_another_config(corpus, tmp_path, reference_run):
     changed = tiny_config(corpus, reference_run.out, preset="isoloco", workers=2, resume=True)
     with pytest.raises(ValueError, match=r"workers: 4 -> 2.*--allow-config-change"):
@@ -347,8 +360,11 @@ def test_non_finite_validation_loss_stops_the_run(corpus, tmp_path, monkeypatch,
 
     monkeypatch.setattr(rounds, "evaluate", poisoned_evaluate)
     config = tiny_config(corpus, tmp_path, checkpoint_every=1, eval_every=2)
-    last_good = {2: 1, 4: 4}[poisoned_at]  # mid-run: before this round's checkpoint
-    message = rf"round {poisoned_at}: validation loss is inf; stopping.*round-00000{last_good}"
+    message = {  # mid-run: before this round's checkpoint; the final: after the last one
+        2: r"round 2: validation loss is inf; stopping. The last good checkpoint is .*round-000001",
+        4: r"round 4: validation loss is inf; stopping. The checkpoint .*round-000004 holds the "
+        r"parameters that give it; no final model",
+    }[poisoned_at]
     with pytest.raises(TrainingDiverged, match=message):
         train(config, progress=False)
     assert all(math.isfinite(e.get("val_loss", 0.0)) for e in read_metrics(tmp_path))

@@ -83,9 +83,10 @@ def inner(folders: list[str]) -> int:
     cells = {(r.aggregator, r.workers) for found in runs.values() for r in found}
     scores = {}
     for folder, found in runs.items():
-        done = {(r.aggregator, r.workers) for r in found if r.status != "unfinished"}
-        if done != cells:
-            missing = sorted(f"{a} R={w}" for a, w in cells - done)
+        present = {(r.aggregator, r.workers) for r in found}
+        pending = {(r.aggregator, r.workers) for r in found if r.status == "unfinished"}
+        if present != cells or pending:
+            missing = sorted(f"{a} R={w}" for a, w in (cells - present) | pending)
             say(f"{folder}: not finished ({', '.join(missing)}); rerun the sweep to finish it")
             return 1
         rows = [r for r in summarize(found) if r.aggregator in ("diloco", BASELINE)]

@@ -64,6 +64,8 @@ def describe_outer(config: TrainConfig, given: dict[str, str]) -> str:
         momentum = "no momentum"
     if aggregator_preset(outer.aggregator) is None and "preset" not in given:
         source = f"the defaults: {outer.aggregator} has no tuned preset"
+    elif PRESETS[config.run.preset].get("mode") == "dp":
+        source = f"the defaults: preset {config.run.preset} has no outer step"
     else:
         source = f"preset {config.run.preset}"
     overrides = [given[key] for key in ("outer_lr", "outer_momentum", "nesterov") if key in given]

@@ -295,6 +295,16 @@ def is_sha256(value: object) -> bool:
     return isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value) is not None
 
 
+def is_seconds(value: object) -> bool:
+    """A finite number >= 0 that a float holds (not a bool, not an integer of 400 digits)."""
+    if type(value) not in (int, float):
+        return False
+    try:
+        return 0 <= float(value) < math.inf
+    except OverflowError:
+        return False
+
+
 def read_state(path: Path) -> dict:
     """``state.json`` (round, world size, config) after checking its hash and its content."""
     verify(path, [STATE])
@@ -316,9 +326,7 @@ def read_state(path: Path) -> dict:
         problem = 'has no "config" (a JSON object)'
     elif "data" in state and not is_sha256(state["data"]):
         problem = 'has a "data" that is not a sha256'
-    elif "seconds" in state and not (
-        type(state["seconds"]) in (int, float) and 0 <= state["seconds"] < math.inf
-    ):
+    elif "seconds" in state and not is_seconds(state["seconds"]):
         problem = 'has a "seconds" that is not a number of seconds'
     if problem:
         raise CheckpointCorrupt(f"checkpoint file {shown(file)} {problem}")

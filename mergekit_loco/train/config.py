@@ -290,9 +290,10 @@ def resolve_config(config_file: str | Path | None = None, **overrides: Any) -> T
     the ``dp`` preset; in that mode outer-step options other than the preset's are refused
     (:func:`check_no_outer_step`).
     """
-    explicit = coerce_values(read_config_file(config_file), str(config_file)) if config_file else {}
+    from_file = read_config_file(config_file) if config_file else {}
+    explicit = coerce_values(from_file, str(config_file))
     flags = coerce_values({k: v for k, v in overrides.items() if v is not None}, "flags")
-    given = option_names(config_file, explicit, flags)
+    given = option_names(config_file, from_file, flags)
     options = {**explicit.pop("aggregator_options", {}), **flags.pop("aggregator_options", {})}
     explicit.update(flags)
     if "preset" not in explicit and not explicit.get("resume"):
@@ -330,17 +331,16 @@ def resolve_config(config_file: str | Path | None = None, **overrides: Any) -> T
 def option_names(
     config_file: str | Path | None, from_file: Mapping[str, Any], flags: Mapping[str, Any]
 ) -> dict[str, str]:
-    """Each option the user set, named as they wrote it: ``--outer-lr`` for a flag (which
-    wins), ``outer_lr in FILE`` for a key of the config file."""
-    names = {key: f"{key} in {shown(Path(config_file))}" for key in from_file}
+    """Each option the user set (by its flat name), named as they wrote it: ``--outer-lr`` for
+    a flag (which wins), ``outer-lr in FILE`` for a key of the config file."""
+    names = {key.replace("-", "_"): f"{key} in {shown(Path(config_file))}" for key in from_file}
     return names | {key: f"--{key.replace('_', '-')}" for key in flags}
 
 
 def given_options(config_file: str | Path | None, **overrides: Any) -> dict[str, str]:
     """:func:`option_names` of the options :func:`resolve_config` would read as set."""
-    from_file = (
-        coerce_values(read_config_file(config_file), str(config_file)) if config_file else {}
-    )
+    from_file = read_config_file(config_file) if config_file else {}
+    coerce_values(from_file, str(config_file))  # the same checks as resolve_config
     flags = coerce_values({k: v for k, v in overrides.items() if v is not None}, "flags")
     return option_names(config_file, from_file, flags)
 
@@ -357,13 +357,16 @@ def check_no_outer_step(
 ) -> None:
     """Refuse, in the data-parallel mode, outer-step options set to other values than the
     preset's: the baseline has no outer step, so they would be ignored without a word.
-    ``given`` names each option as the user wrote it (``--outer-lr``, ``outer_lr in FILE``)."""
+    ``given`` names each option as the user wrote it (``--outer-lr``, ``outer_lr in FILE``).
+    A DiLoCo ``--preset`` typed with the dp mode is refused too, except on resume (runs of
+    earlier versions were started that way) and from a config file (a saved ``config.json``)."""
     preset = explicit.get("preset")
-    if preset is not None and PRESETS[preset].get("mode") != "dp":
+    typed = given.get("preset", "").startswith("--")
+    if typed and not explicit.get("resume") and PRESETS[preset].get("mode") != "dp":
         raise ValueError(
-            f"{given.get('preset', 'preset')} {preset} is a DiLoCo preset, but "
-            f"{given.get('mode', 'mode')} dp asks for the data-parallel AdamW baseline; use "
-            "--preset dp for the baseline, or drop the mode"
+            f"preset {preset} (--preset) is a DiLoCo preset, but mode dp "
+            f"({given.get('mode', 'mode')}) asks for the data-parallel AdamW baseline; "
+            "use --preset dp for the baseline, or drop the mode"
         )
     ignored = [given[key] for key in OUTER_KEYS if key in explicit and explicit[key] != base[key]]
     ignored += [f"aggregator option {key}" for key in options]

@@ -141,7 +141,11 @@ def finish(run: Run, summary: bool) -> TrainResult:
     try:
         check_finite_val_loss(val_loss, run.rounds)
     except TrainingDiverged as error:
-        raise TrainingDiverged(f"{error}; stopping. {last_good_message(run.last_saved)}") from None
+        saved_round, path = run.last_saved
+        where = last_good_message(run.last_saved)
+        if saved_round == run.rounds:  # saved after the last round: these very parameters
+            where = f"The checkpoint {path} holds the parameters that give it; no final model."
+        raise TrainingDiverged(f"{error}; stopping. {where}") from None
     if group.is_main:
         save_final(run.out / FINAL, run.model, run.tokenizer)
     seconds = run.wall_seconds
