@@ -312,12 +312,13 @@ def run_mloco(command: str) -> None:
 
 def test_compare_command_seed_list_shared_inner_settings_and_val_seed(tmp_path, domains):
     """A user's tuning cell: listed seeds, one inner setting for every preset, a fixed
-    validation set, a momentum grid."""
+    validation set, a momentum grid, a checkpoint cadence."""
     run_mloco(
         f"mloco compare --aggregators diloco,tsv --workers 2 --inner-steps 2 --seeds 3,5 "
         f"--inner-lr 0.002 --weight-decay 0.05 --val-seed 7 --outer-momentum-grid 0.8 "
         f"--model micro --global-batch 4 --seq-len 32 --vocab-size 300 --val-tokens 1024 "
-        f"--tokens 256 --data {domains[1]} --no-figures --quiet -o {tmp_path / 'out'}"
+        f"--tokens 256 --data {domains[1]} --checkpoint-every 5 --no-figures --quiet "
+        f"-o {tmp_path / 'out'}"
     )
     names = sorted(p.name for p in (tmp_path / "out" / "runs").iterdir())
     assert names == ["diloco-R2-H2-m0.8-s3", "diloco-R2-H2-m0.8-s5", "dp-s3", "dp-s5",
@@ -325,6 +326,7 @@ def test_compare_command_seed_list_shared_inner_settings_and_val_seed(tmp_path, 
     for name in names:
         config = runs.read_run_config(tmp_path / "out" / "runs" / name)
         assert (config["inner_lr"], config["weight_decay"], config["val_seed"]) == (0.002, 0.05, 7)
+        assert config["checkpoint_every"] == 5  # not the default cadence (1 for one round)
         assert runs.is_finished(tmp_path / "out" / "runs" / name)
 
 

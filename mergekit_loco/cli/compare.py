@@ -145,6 +145,13 @@ def compare_command(
     eval_every: Annotated[
         int | None, typer.Option(help="Validation every N rounds (default: about 8 per run).")
     ] = None,
+    checkpoint_every: Annotated[
+        int | None,
+        typer.Option(
+            help="Checkpoint every N rounds, the most a stopped cell redoes (default: about 4 "
+            "per run)."
+        ),
+    ] = None,
     jobs: Annotated[int, typer.Option(help="Cells trained at once, one process each.")] = 1,
     base: Annotated[Path | None, typer.Option(help="merge: the pre-trained checkpoint.")] = None,
     finetuned: Annotated[
@@ -201,7 +208,8 @@ def compare_command(
         return
     given = {"model": model, "tokens": tokens, "global_batch": global_batch, "seq_len": seq_len,
              "data": data, "vocab_size": vocab_size, "val_tokens": val_tokens,
-             "eval_every": eval_every, "inner_lr": inner_lr, "weight_decay": weight_decay,
+             "eval_every": eval_every, "checkpoint_every": checkpoint_every,
+             "inner_lr": inner_lr, "weight_decay": weight_decay,
              "val_seed": val_seed}  # fmt: skip
     from mergekit_loco.compare import sweep as sweeping
 
