@@ -18,7 +18,8 @@ AGGREGATORS=diloco,diloco-sgd,isoloco,isoloco-ns,isoc-sgd,tsv,ties,iso-cts
 # stdlib alone holds 3.0M training tokens, too few for DiLoCo's curve to flatten (measured:
 # docs/results/aggregators_tuned.md); with the pinned torch package's sources, 16.9M.
 SHAPE="--model nano --data stdlib,torchsrc --global-batch 16 --seq-len 128 --inner-steps 10"
-SHARED="$SHAPE --val-seed 1000 --val-tokens 262144 --jobs 2"
+# A checkpoint every 20 rounds (about 1.5 min of a cell): a session's end costs little.
+SHARED="$SHAPE --val-seed 1000 --val-tokens 262144 --checkpoint-every 20 --jobs 2"
 HORIZON_TOKENS="${HORIZON_TOKENS:-16384000}"    # 800 rounds of H = 10 x 16 x 128
 INNER_LRS="${INNER_LRS:-5e-4 1e-3 2e-3 4e-3}"
 WEIGHT_DECAY=0.1
