@@ -512,6 +512,28 @@ def test_protocol_decisions_by_hand(tmp_path, capsys):
     assert "records of 2 datasets (a+b, c)" in capsys.readouterr().err
 
 
+def test_protocol_publish_copies_ended_runs_small_files_only(tmp_path, capsys):
+    decide = load_script("aggregators_tuned")
+    stage = tmp_path / "stage"
+    write_run(stage, "dp-s9", "dp", 1, 9, 3.5)
+    write_run(stage, "diloco-R2-s9", "diloco", 2, 9, None)  # unfinished: left out
+    write_run(stage, "tsv-R2-s9", "tsv", 2, 9, None)
+    (stage / "runs" / "tsv-R2-s9" / runs.FAILED_FILE).write_text("{}")  # failed: published
+    (stage / "runs" / "dp-s9" / "checkpoints").mkdir()
+    (stage / "runs" / "dp-s9" / "final").mkdir()
+    (stage / "runs" / "dp-s9" / "final" / "model.safetensors").write_bytes(b"weights")
+    (stage / "results.csv").write_text("name\n")
+    docs = tmp_path / "docs" / "stage"
+    assert decide.main(["publish", str(stage), str(docs)]) == 0
+    published = sorted(str(p.relative_to(docs)) for p in docs.rglob("*") if p.is_file())
+    assert published == ["results.csv", "runs/dp-s9/config.json", "runs/dp-s9/metrics.jsonl",
+                         "runs/tsv-R2-s9/config.json", "runs/tsv-R2-s9/failed.json",
+                         "runs/tsv-R2-s9/metrics.jsonl"]  # fmt: skip
+    assert capsys.readouterr().out == f"{docs}: 6 files of 2 ended runs (1 unfinished left out)\n"
+    for name in published:
+        assert (docs / name).read_bytes() == (stage / name).read_bytes()
+
+
 def test_protocol_compute_sums_round_seconds(tmp_path, capsys):
     """Core-hours of a stage: the rounds' own seconds of every run, whatever the run resumed."""
     decide = load_script("aggregators_tuned")

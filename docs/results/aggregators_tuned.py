@@ -5,6 +5,7 @@
     python docs/results/aggregators_tuned.py flags TUNE_DIR [--aggregators A,B]
     python docs/results/aggregators_tuned.py noise EVAL_JSON
     python docs/results/aggregators_tuned.py compute STAGE_DIR...
+    python docs/results/aggregators_tuned.py publish STAGE_DIR DOCS_DIR
 
 Each prints its answer on stdout (what the script passes on) and its reasoning on stderr, and
 exits with 1 when the answer cannot be given yet (a curve not flat, an optimum on a grid edge):
@@ -16,12 +17,19 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import statistics
 import sys
 from pathlib import Path
 
 from mergekit_loco import run_layout
-from mergekit_loco.compare.runs import BASELINE, load_runs, read_metrics, read_run_config
+from mergekit_loco.compare.runs import (
+    BASELINE,
+    FAILED_FILE,
+    load_runs,
+    read_metrics,
+    read_run_config,
+)
 from mergekit_loco.compare.sweep_report import TUNED_FILE, summarize
 
 
@@ -206,6 +214,36 @@ def compute(folders: list[str]) -> int:
     return 0
 
 
+#: What a stage folder publishes: its tables and figures, and each finished (or failed) run's
+#: config and metrics; never checkpoints or models.
+PUBLISHED_FILES = ("results.csv", "summary.csv", "results.json", "tuned.json", "eval_noise.json",
+                   "loss_vs_workers.png", "curves.png")  # fmt: skip
+PUBLISHED_RUN_FILES = (run_layout.CONFIG, run_layout.METRICS, FAILED_FILE)
+
+
+def publish(folder: str, destination: str) -> int:
+    """Copy the small files of a stage ``folder`` to ``destination`` (a folder under
+    docs/results): :data:`PUBLISHED_FILES`, and per run that ended :data:`PUBLISHED_RUN_FILES`
+    (unfinished runs are left out: their data is not final). Prints what it copied."""
+    source, target = Path(folder), Path(destination)
+    copied = []
+    for name in PUBLISHED_FILES:
+        if (source / name).is_file():
+            copied.append(name)
+    runs = load_runs(folder)
+    ended = [run for run in runs if run.status != "unfinished"]
+    for run in ended:
+        for name in PUBLISHED_RUN_FILES:
+            if (source / run_layout.SWEEP_RUNS / run.name / name).is_file():
+                copied.append(f"{run_layout.SWEEP_RUNS}/{run.name}/{name}")
+    for name in copied:
+        (target / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source / name, target / name)
+    print(f"{destination}: {len(copied)} files of {len(ended)} ended runs "
+          f"({len(runs) - len(ended)} unfinished left out)")  # fmt: skip
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -218,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     found.add_argument("--aggregators", help="comma-separated: only these aggregators' flags")
     commands.add_parser("noise").add_argument("path")
     commands.add_parser("compute").add_argument("folders", nargs="+")
+    found = commands.add_parser("publish")
+    found.add_argument("folder")
+    found.add_argument("destination")
     arguments = parser.parse_args(argv)
     if arguments.command == "horizon":
         return horizon(arguments.folder, arguments.tolerance)
@@ -227,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         return noise(arguments.path)
     if arguments.command == "compute":
         return compute(arguments.folders)
+    if arguments.command == "publish":
+        return publish(arguments.folder, arguments.destination)
     return flags(arguments.folder, arguments.aggregators)
 
 
