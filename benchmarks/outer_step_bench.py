@@ -12,7 +12,7 @@ results. Then, for the methods with a compressible plan,
 bf16 and int8 compression: bytes and the relative error against the exact merge.
 
     python benchmarks/outer_step_bench.py                  # P = 2, 4; V = 1
-    python benchmarks/outer_step_bench.py --small          # a 1.3M-parameter smoke run
+    python benchmarks/outer_step_bench.py --small          # a 0.95M-parameter smoke run
     python benchmarks/outer_step_bench.py --worlds 2 --virtual 2
 """
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import pytest
 import torch
 from conftest import stdlib_corpus
 
-from mergekit_loco.cli import main
+from mergekit_loco.cli import COMMANDS, main
 from mergekit_loco.train import loop
 
 #: aggregator -> (outer lr, momentum, nesterov, inner lr, preset): the seed paper's tuned
@@ -143,6 +144,27 @@ def test_mode_dp_is_the_dp_preset_and_refuses_what_it_would_ignore(captured_run,
     assert stdout.splitlines()[0] == "outer step: none (data-parallel AdamW baseline)"
     _, stdout, _ = run_main(capsys, "train", "--preset", "dp", "--mode", "diloco", "--threads", "1")
     assert stdout.splitlines()[0].endswith("(the defaults: preset dp has no outer step)")
+
+
+def test_the_help_examples_resolve(captured_run, capsys):
+    """Every ``mloco train`` example of ``--help`` is a config that can run (the budget holds
+    a round, the options exist), as a newcomer copies it."""
+    for example in COMMANDS["train"].examples:
+        args = shlex.split(example.split("  #")[0])[1:]
+        if "--resume" in args:
+            continue  # needs a run to resume
+        captured_run.clear()
+        code, _, stderr = run_main(capsys, *args, "--threads", "1")
+        assert code == 0 and len(captured_run) == 1, (example, stderr)
+
+
+def test_val_seed_flag_sets_the_validation_documents_seed(captured_run, capsys):
+    code, _, _ = run_main(capsys, "train", "--seed", "3", "--val-seed", "1000", "--threads", "1")
+    assert code == 0
+    ((config, _),) = captured_run
+    assert (config.run.seed, config.data.val_seed) == (3, 1000)
+    code, _, stderr = run_main(capsys, "train", "--val-seed", "-1", "--threads", "1")
+    assert code == 2 and "val_seed must be an integer in [0, 2**63)" in stderr
 
 
 def test_resolved_defaults_threads_and_the_preparing_line(captured_run, capsys, monkeypatch):

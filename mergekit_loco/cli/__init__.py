@@ -40,7 +40,7 @@ COMMANDS = {
         "DiLoCo training where any merge method is the aggregator (or a data-parallel baseline).",
         (
             "mloco train --preset isoloco --workers 8 --out runs/isoloco",
-            "mloco train --aggregator ties --density 0.5 --model micro --tokens 200000",
+            "mloco train --aggregator ties --density 0.5 --model micro --tokens 500000",
             "mloco train --resume --out runs/isoloco  # after Ctrl-C",
         ),
     ),

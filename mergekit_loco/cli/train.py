@@ -120,7 +120,8 @@ def train_command(
     data: Annotated[
         str | None,
         typer.Option(
-            help=f"stdlib, pydoc, a text/jsonl file or a folder (default {default('data')})."
+            help="stdlib, pydoc, torchsrc, austen, bible, a text/jsonl file, a folder, or a "
+            f"comma list of these (default {default('data')})."
         ),
     ] = None,
     tokenizer: Annotated[
@@ -133,6 +134,13 @@ def train_command(
     val_tokens: Annotated[
         int | None,
         typer.Option(help=f"Held-out validation tokens (default {default('val_tokens')})."),
+    ] = None,
+    val_seed: Annotated[
+        int | None,
+        typer.Option(
+            help="Seed of the validation documents (default: --seed); one value gives runs of "
+            "several seeds the same validation set."
+        ),
     ] = None,
     out: Annotated[
         Path | None, typer.Option(help=f"Run folder (default {default('out')}).")
@@ -264,6 +272,7 @@ def train_command(
         preset=preset, model=model, workers=workers, inner_steps=inner_steps,
         global_batch=global_batch, seq_len=seq_len, tokens=tokens, chinchilla=chinchilla,
         seed=seed, data=data, tokenizer=tokenizer, vocab_size=vocab_size, val_tokens=val_tokens,
+        val_seed=val_seed,
         out=str(out) if out is not None else None, checkpoint_every=checkpoint_every,
         keep_checkpoints=keep_checkpoints, eval_every=eval_every, stop_after=stop_after,
         resume=resume or None, allow_config_change=allow_config_change or None,
@@ -288,7 +297,7 @@ def train_command(
         typer.echo(f"outer step: {describe_outer(run_config, given)}")
         typer.echo(f"threads: {thread_count} ({thread_reason}; --threads N to choose)")
         typer.echo("preparing the tokenizer, data and model (the first run on a corpus trains a "
-                   "tokenizer: ~20 s on 2 cores) ...")  # fmt: skip
+                   "tokenizer and tokenizes it: seconds for stdlib, cached after) ...")  # fmt: skip
     try:
         result = train(run_config, progress=not quiet)
     except TrainingInterrupted as stopped:
