@@ -284,7 +284,7 @@ def test_published_aggregator_tables_reproduce_from_results_csv():
             assert shown.split()[1:] == cell.split()[1:], (pair, cell)
 
 
-def test_claims_name_failed_seeds_and_short_pairs(tmp_path):
+def test_claims_name_failed_seeds_and_short_pairs(tmp_path, capsys):
     """isoloco and diloco both failed on seed 0 and differ by -0.5 on seeds 1, 2; dp lacks
     seed 2. The claims show the failure (not "-", which means a cell not run, nor "+inf ?"),
     and a difference on fewer seeds than its cells ran says so."""
@@ -303,6 +303,10 @@ def test_claims_name_failed_seeds_and_short_pairs(tmp_path):
     cells = {pair: cell for _claim, pair, cell in table}
     assert cells["isoloco - diloco"] == cells["diloco - dp"] == "failed (seeds 0)"
     assert cells["tsv - diloco"] == "-"
+    claims.main(str(tmp_path), markdown=True)  # the tables as the docs publish them
+    text = capsys.readouterr().out
+    assert "| isoloco - diloco | failed (seeds 0) |" in text
+    assert "| 2. IsoLoCo beats DiLoCo | cannot tell (a run failed) (n=0) |" in text
     rows[("isoloco", 2, 2)] = dataclasses.replace(
         rows[("isoloco", 2, 2)], losses={0: 4.3, 1: 4.7, 2: 4.8}
     )  # finished on every seed: against dp, seeds 0 and 1 pair up (-0.1 and +0.2)
@@ -473,6 +477,11 @@ def test_protocol_decisions_by_hand(tmp_path, capsys):
     )
     assert decide.main(["flags", str(tmp_path), "--aggregators", "tsv"]) == 0
     assert capsys.readouterr().out == "--outer-lr-grid tsv=0.6\n"
+    assert decide.main(["table", str(tmp_path)]) == 0  # beside the presets' 1.8 / 0.8, 0.6 / 0
+    assert capsys.readouterr().out.splitlines()[2:] == [
+        "| isoloco | 1.8 (1.8) | 0.9 (0.8) | 5.0000 (R = 2, 8) |",
+        "| tsv | 0.6 (0.6) | 0 (0) | 5.1000 (R = 2, 8) |",
+    ]
     assert decide.main(["flags", str(tmp_path), "--aggregators", "tsv,ties"]) == 1
     assert "no tuned values for ties" in capsys.readouterr().err
     refusals = [  # what else keeps the tuned values from stage 5

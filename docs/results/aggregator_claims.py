@@ -149,30 +149,12 @@ def verdicts(rows: Mapping[tuple, SummaryRow]) -> list[dict]:
     return found
 
 
-def main(results: str, rule: str = "t") -> None:
-    summary = summarize(load_runs(results))
-    rows = {(row.aggregator, row.workers, row.inner_steps): row for row in summary}
-    settings, claims = claim_rows(rows, rule)
-    title = "loss(a) - loss(b), paired by seed (negative: a is better)"
-    table = Table(title=title + (", 95% t-interval" if rule == "t" else ""))
-    table.add_column("claim")
-    table.add_column("a - b")
-    for steps, workers in settings:
-        table.add_column(f"R={workers} H={steps}", justify="right")
-    for row in claims:
-        table.add_row(*row)
-    console = Console(width=240)
-    console.print(table)
-    if rule != "t":
-        return
-    print("\n".join(orderings(summary)))
+def verdict_rows(
+    rows: Mapping[tuple, SummaryRow], settings: list[tuple[int, int]]
+) -> list[list[str]]:
+    """Per claim ``[claim, cell per setting]``: ``holds (n=3, Holm)`` and the like."""
     found = verdicts(rows)
-    table = Table(title=f"Verdicts (close: within +-{CLOSE} nats; Holm: the difference survives "
-                        f"Holm's correction over the {sum(f['p'] is not None for f in found)} "
-                        "tested intervals)")  # fmt: skip
-    table.add_column("claim")
-    for steps, workers in settings:
-        table.add_column(f"R={workers} H={steps}")
+    table = []
     for claim, *_ in CLAIMS:
         by_setting = {(f["H"], f["R"]): f for f in found if f["claim"] == claim}
         cells = []
@@ -181,15 +163,52 @@ def main(results: str, rule: str = "t") -> None:
             if entry is None:
                 cells.append("-")
                 continue
-            mark = {True: ", Holm", False: "", None: ""}[entry["holm"]]
+            mark = ", Holm" if entry["holm"] else ""
             cells.append(f"{entry['verdict']} (n={entry['n']}{mark})")
-        table.add_row(claim, *cells)
-    console.print(table)
+        table.append([claim, *cells])
+    return table
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    """A GitHub markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def main(results: str, rule: str = "t", markdown: bool = False) -> None:
+    summary = summarize(load_runs(results))
+    rows = {(row.aggregator, row.workers, row.inner_steps): row for row in summary}
+    settings, claims = claim_rows(rows, rule)
+    columns = [f"R={workers} H={steps}" for steps, workers in settings]
+    title = "loss(a) - loss(b), paired by seed (negative: a is better)"
+    title += ", 95% t-interval" if rule == "t" else ""
+    verdict_title = (
+        f"Verdicts (close: within +-{CLOSE} nats; Holm: the difference survives Holm's "
+        f"correction over the {sum(f['p'] is not None for f in verdicts(rows))} tested intervals)"
+    )
+    tables = [(title, ["claim", "a - b", *columns], claims)]
+    if rule == "t":
+        tables.append((verdict_title, ["claim", *columns], verdict_rows(rows, settings)))
+    if markdown:
+        print("\n\n".join(f"{name}:\n\n{markdown_table(header, body)}"
+                           for name, header, body in tables))  # fmt: skip
+        return
+    console = Console(width=240)
+    for index, (name, header, body) in enumerate(tables):
+        table = Table(title=name)
+        for column in header:
+            table.add_column(column, justify="left" if column in ("claim", "a - b") else "right")
+        for row in body:
+            table.add_row(*row)
+        console.print(table)
+        if index == 0 and rule == "t":
+            print("\n".join(orderings(summary)))
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results")
     parser.add_argument("--rule", choices=("t", "sd"), default="t")
+    parser.add_argument("--markdown", action="store_true", help="markdown tables (for docs)")
     arguments = parser.parse_args()
-    main(arguments.results, arguments.rule)
+    main(arguments.results, arguments.rule, arguments.markdown)

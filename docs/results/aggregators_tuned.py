@@ -5,6 +5,7 @@
     python docs/results/aggregators_tuned.py flags TUNE_DIR [--aggregators A,B]
     python docs/results/aggregators_tuned.py noise EVAL_JSON
     python docs/results/aggregators_tuned.py compute STAGE_DIR...
+    python docs/results/aggregators_tuned.py table TUNE_DIR
     python docs/results/aggregators_tuned.py publish STAGE_DIR DOCS_DIR
 
 Each prints its answer on stdout (what the script passes on) and its reasoning on stderr, and
@@ -214,6 +215,25 @@ def compute(folders: list[str]) -> int:
     return 0
 
 
+def table(folder: str) -> int:
+    """The tuned values of ``folder``'s tuned.json as a markdown table, beside each preset's
+    (the seed paper's) values: what the report's cells train with."""
+    from mergekit_loco.train.config import preset_config
+
+    tuned = json.loads((Path(folder) / TUNED_FILE).read_text())
+    print("| aggregator | outer lr (preset's) | outer momentum (preset's) | mean loss over R |")
+    print("|---|---|---|---|")
+    for entry in tuned:
+        preset = preset_config(entry["aggregator"]).outer
+        lr = entry["outer_lr"] if entry["outer_lr"] is not None else preset.lr
+        momentum = entry["outer_momentum"]
+        momentum = preset.momentum if momentum is None else momentum
+        workers = ", ".join(map(str, entry["workers"]))
+        print(f"| {entry['aggregator']} | {lr:g} ({preset.lr:g}) | {momentum:g} "
+              f"({preset.momentum:g}) | {entry['mean_loss']:.4f} (R = {workers}) |")  # fmt: skip
+    return 0
+
+
 #: What a stage folder publishes: its tables and figures, and each finished (or failed) run's
 #: config and metrics; never checkpoints or models.
 PUBLISHED_FILES = ("results.csv", "summary.csv", "results.json", "tuned.json", "eval_noise.json",
@@ -256,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     found.add_argument("--aggregators", help="comma-separated: only these aggregators' flags")
     commands.add_parser("noise").add_argument("path")
     commands.add_parser("compute").add_argument("folders", nargs="+")
+    commands.add_parser("table").add_argument("folder")
     found = commands.add_parser("publish")
     found.add_argument("folder")
     found.add_argument("destination")
@@ -268,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         return noise(arguments.path)
     if arguments.command == "compute":
         return compute(arguments.folders)
+    if arguments.command == "table":
+        return table(arguments.folder)
     if arguments.command == "publish":
         return publish(arguments.folder, arguments.destination)
     return flags(arguments.folder, arguments.aggregators)
