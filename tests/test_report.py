@@ -306,6 +306,8 @@ def test_claims_name_failed_seeds_and_short_pairs(tmp_path, capsys):
     claims.main(str(tmp_path), markdown=True)  # the tables as the docs publish them
     text = capsys.readouterr().out
     assert "| isoloco - diloco | failed (seeds 0) |" in text
+    assert "| dp | 4.450 ± 0.071 (n=2) |" in text  # 4.4 and 4.5
+    assert "| isoloco | failed (seeds 0) |" in text
     assert "| 2. IsoLoCo beats DiLoCo | cannot tell (a run failed) (n=0) |" in text
     rows[("isoloco", 2, 2)] = dataclasses.replace(
         rows[("isoloco", 2, 2)], losses={0: 4.3, 1: 4.7, 2: 4.8}

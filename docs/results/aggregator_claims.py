@@ -169,6 +169,32 @@ def verdict_rows(
     return table
 
 
+def loss_rows(summary: list[SummaryRow], settings: list[tuple[int, int]]) -> list[list[str]]:
+    """Per aggregator ``[name, "mean ± sd (n)" per setting]`` at its chosen outer setting, by
+    the mean over settings (best first); the baseline last, in the first column."""
+    by_name: dict[str, dict[tuple[int, int], SummaryRow]] = {}
+    for row in summary:
+        setting = settings[0] if row.is_baseline else (row.inner_steps, row.workers)
+        by_name.setdefault(row.aggregator, {})[setting] = row
+
+    def cell(row: SummaryRow | None) -> str:
+        if row is None:
+            return "-"
+        failed = sorted(seed for seed, value in row.losses.items() if math.isinf(value))
+        if failed:
+            return f"failed (seeds {', '.join(map(str, failed))})"
+        loss = row.loss
+        spread = f" ± {loss.std:.3f}" if loss.n > 1 and math.isfinite(loss.std) else ""
+        return f"{loss.mean:.3f}{spread} (n={loss.n})"
+
+    def order(name: str) -> tuple[bool, float]:
+        means = [r.loss.mean for r in by_name[name].values()]
+        return (name == BASELINE, sum(means) / len(means))
+
+    return [[name, *(cell(by_name[name].get(s)) for s in settings)]
+            for name in sorted(by_name, key=order)]  # fmt: skip
+
+
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     """A GitHub markdown table."""
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -187,6 +213,9 @@ def main(results: str, rule: str = "t", markdown: bool = False) -> None:
         f"correction over the {sum(f['p'] is not None for f in verdicts(rows))} tested intervals)"
     )
     tables = [(title, ["claim", "a - b", *columns], claims)]
+    if markdown:
+        losses = "Final validation loss, mean ± sd over seeds (n seeds; dp: any R)"
+        tables.insert(0, (losses, ["aggregator", *columns], loss_rows(summary, settings)))
     if rule == "t":
         tables.append((verdict_title, ["claim", *columns], verdict_rows(rows, settings)))
     if markdown:
