@@ -404,6 +404,7 @@ def test_tuning_picks_the_mean_over_r_and_flags_grid_edges(tmp_path):
     assert tuned["grid_edges"] == ["outer momentum: highest tried"]
     text = output.getvalue()
     assert "Tuned outer values" in text and "extend the grid" in text
+    assert "report on seeds the tuning did not use" in " ".join(text.split())
     with open(tmp_path / "results.csv") as handle:
         assert {r["outer_momentum"] for r in csv.DictReader(handle)} == {"0.8", "0.9"}
 

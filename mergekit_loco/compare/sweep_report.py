@@ -365,6 +365,12 @@ def report_sweep(
         lr_table = sweep_table(summary)
         if lr_table is not None:
             console.print(lr_table)
+            console.print(
+                "The outer values above were chosen on the same runs the tables report, which "
+                "flatters each chosen setting a little: report on seeds the tuning did not use "
+                "(docs/compare.md).",
+                highlight=False,
+            )
         tuned = tuned_settings(summary)
         if tuned:
             console.print(tuned_table(tuned))
