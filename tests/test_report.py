@@ -309,6 +309,13 @@ def test_claims_name_failed_seeds_and_short_pairs(tmp_path, capsys):
     assert "| dp | 4.450 ± 0.071 (n=2) |" in text  # 4.4 and 4.5
     assert "| isoloco | failed (seeds 0) |" in text
     assert "| 2. IsoLoCo beats DiLoCo | cannot tell (a run failed) (n=0) |" in text
+    # a failure on a seed the other cell did not run blocks nothing: seeds 0, 1 pair up,
+    # -0.2 and -0.1: mean -0.15, se 0.05, half 12.7062 x 0.05 = 0.6353
+    ties = dataclasses.replace(rows[("dp", 1, 0)], aggregator="ties", workers=2, inner_steps=2,
+                               losses={0: 4.2, 1: 4.4, 2: math.inf})  # fmt: skip
+    assert sweep_report.format_difference(ties, rows[("dp", 1, 0)]) == (
+        "-0.1500 [-0.7853, +0.4853] n.s. (n=2)"
+    )
     rows[("isoloco", 2, 2)] = dataclasses.replace(
         rows[("isoloco", 2, 2)], losses={0: 4.3, 1: 4.7, 2: 4.8}
     )  # finished on every seed: against dp, seeds 0 and 1 pair up (-0.1 and +0.2)

@@ -134,7 +134,8 @@ def verdicts(rows: Mapping[tuple, SummaryRow]) -> list[dict]:
             left, right = rows.get(key(a, workers, steps)), rows.get(key(b, workers, steps))
             if left is None or right is None:
                 continue
-            if any(math.isinf(v) for v in (*left.losses.values(), *right.losses.values())):
+            shared = set(left.losses) & set(right.losses)
+            if any(math.isinf(left.losses[s]) or math.isinf(right.losses[s]) for s in shared):
                 found.append({"claim": claim, "R": workers, "H": steps, "n": 0,
                               "verdict": "cannot tell (a run failed)", "p": None})  # fmt: skip
                 continue

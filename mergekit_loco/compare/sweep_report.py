@@ -174,17 +174,13 @@ def best_in_group(summary: Sequence[SummaryRow], row: SummaryRow) -> SummaryRow:
 def format_difference(row: SummaryRow, other: SummaryRow | None, digits: int = 4) -> str:
     """``row - other`` paired by seed with its t-interval (see :func:`stats.format_interval`),
     ``(n=2)`` after it where fewer seeds pair up than either cell ran, or ``failed (seeds 0,
-    2)``: the seeds on which either run failed (no difference is formed)."""
+    2)``: the shared seeds on which either run failed (no difference is formed)."""
     if other is None or row is other:
         return ""
-    failed = sorted(
-        seed
-        for losses in (row.losses, other.losses)
-        for seed, loss in losses.items()
-        if math.isinf(loss)
-    )
+    shared = set(row.losses) & set(other.losses)
+    failed = [s for s in sorted(shared) if math.isinf(row.losses[s]) or math.isinf(other.losses[s])]
     if failed:
-        return f"failed (seeds {', '.join(map(str, sorted(set(failed))))})"
+        return f"failed (seeds {', '.join(map(str, failed))})"
     interval = paired_interval(row.losses, other.losses)
     text = format_interval(interval, digits)
     if 0 < interval.n < max(len(row.losses), len(other.losses)):
