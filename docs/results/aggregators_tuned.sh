@@ -71,6 +71,7 @@ mloco compare --aggregators "$AGGREGATORS" --workers 2,8 --seeds "$TUNING_SEED" 
   --tokens "$TOKENS" $INNER --eval-every 0 --outer-lr-grid "$OUTER_LR_GRID" \
   --outer-momentum-grid "$MOMENTUM_GRID" -o "$WORK/tune"
 TUNED=$(decide flags "$WORK/tune")
+decide table "$WORK/tune" > "$WORK/tune/tuned.md"
 
 # 5. The report: every aggregator at its tuned values, R = 2..16, three seeds, the baseline.
 # shellcheck disable=SC2086
@@ -78,6 +79,7 @@ mloco compare --aggregators "$AGGREGATORS" --workers 2,4,8,16 --seeds "$REPORT_S
   $SHARED --tokens "$TOKENS" $INNER $TUNED -o "$WORK/report"
 mloco report "$WORK/report"
 python "$HERE/aggregator_claims.py" "$WORK/report"
+python "$HERE/aggregator_claims.py" "$WORK/report" --markdown > "$WORK/report/claims.md"
 
 # 6. Doubling check: the claims' core cells (averaging and Iso-C, with and without momentum)
 #    at twice the budget, same tuned values and seeds: do the verdicts of stage 5 hold when
@@ -88,3 +90,4 @@ TUNED_DOUBLED=$(decide flags "$WORK/tune" --aggregators "$DOUBLED")
 mloco compare --aggregators "$DOUBLED" --workers 2,8 --seeds "$REPORT_SEEDS" $SHARED \
   --tokens $((2 * TOKENS)) $INNER $TUNED_DOUBLED -o "$WORK/doubling"
 python "$HERE/aggregator_claims.py" "$WORK/doubling"
+python "$HERE/aggregator_claims.py" "$WORK/doubling" --markdown > "$WORK/doubling/claims.md"
