@@ -66,9 +66,10 @@ INNER_LR=$(decide inner "${INNER_DIRS[@]}")
 INNER="--inner-lr $INNER_LR --weight-decay $WEIGHT_DECAY"
 
 # 4. Outer lr (and momentum) of every aggregator on a grid at R = 2 and 8, the tuning seed.
-#    Chosen on final losses only, so cells validate only at the end (7% of a cell's time).
+#    Chosen on final losses only, so cells validate only at the end (7% of a cell's time); no
+#    baseline cell (stage 3 ran dp at this inner lr).
 mloco compare --aggregators "$AGGREGATORS" --workers 2,8 --seeds "$TUNING_SEED" $SHARED \
-  --tokens "$TOKENS" $INNER --eval-every 0 --outer-lr-grid "$OUTER_LR_GRID" \
+  --tokens "$TOKENS" $INNER --eval-every 0 --no-baseline --outer-lr-grid "$OUTER_LR_GRID" \
   --outer-momentum-grid "$MOMENTUM_GRID" -o "$WORK/tune"
 TUNED=$(decide flags "$WORK/tune")
 decide table "$WORK/tune" > "$WORK/tune/tuned.md"
