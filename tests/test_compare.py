@@ -181,7 +181,17 @@ def test_stopped_sweep_resumes_and_never_reruns_finished_cells(tmp_path, domains
     assert calls == [("isoloco-R2-H2-s0", False)]
     assert not runs.is_finished(tmp_path / "runs" / "isoloco-R2-H2-s0")
 
+    # a stopped cell is not resumed by a sweep that defines it otherwise (before, a setting the
+    # sweep left out was filled in from the cell's own config.json, so no change was seen)
+    fixed = Sweep(["isoloco"], [2], inner_steps=[2], baseline=False,
+                  shared={**shared, "val_seed": 7, "stop_after": 1})  # fmt: skip
+    sweeping.run_sweep(fixed, tmp_path / "fixed", figures=False)
     calls.clear()
+    unfixed = Sweep(["isoloco"], [2], inner_steps=[2], baseline=False, shared=shared)
+    with pytest.raises(ValueError, match=r"isoloco-R2-H2-s0 holds another run \(val_seed: 7 -> "):
+        sweeping.run_sweep(unfixed, tmp_path / "fixed", figures=False)
+    assert calls == []
+
     summary = sweeping.run_sweep(wider, tmp_path, figures=False)
     assert calls == [("isoloco-R2-H2-s0", True)]
     resumed = runs.load_run(tmp_path / "runs" / "isoloco-R2-H2-s0")

@@ -308,6 +308,7 @@ def test_claims_name_failed_seeds_and_short_pairs(tmp_path, capsys):
     assert "| isoloco - diloco | failed (seeds 0) |" in text
     assert "| dp | 4.450 ± 0.071 (n=2) |" in text  # 4.4 and 4.5
     assert "| isoloco | failed (seeds 0) |" in text
+    assert claims.loss_rows([rows[("dp", 1, 0)]], []) == []  # only the baseline finished yet
     assert "| 2. IsoLoCo beats DiLoCo | cannot tell (a run failed) (n=0) |" in text
     # a failure on a seed the other cell did not run blocks nothing: seeds 0, 1 pair up,
     # -0.2 and -0.1: mean -0.15, se 0.05, half 12.7062 x 0.05 = 0.6353

@@ -1,6 +1,6 @@
 """The paper's claims, checked on a sweep folder: paired differences per R (see aggregators.md).
 
-    python docs/results/aggregator_claims.py RESULTS [--rule t|sd]
+    python docs/results/aggregator_claims.py RESULTS [--rule t|sd] [--markdown]
 
 RESULTS is a ``mloco compare`` folder (its ``runs/``) or a published folder holding only its
 ``results.csv``. ``--rule t`` (default) gives each difference its 95% t-interval and orders
@@ -173,6 +173,8 @@ def verdict_rows(
 def loss_rows(summary: list[SummaryRow], settings: list[tuple[int, int]]) -> list[list[str]]:
     """Per aggregator ``[name, "mean ± sd (n)" per setting]`` at its chosen outer setting, by
     the mean over settings (best first); the baseline last, in the first column."""
+    if not settings:  # only baseline cells finished so far
+        return []
     by_name: dict[str, dict[tuple[int, int], SummaryRow]] = {}
     for row in summary:
         setting = settings[0] if row.is_baseline else (row.inner_steps, row.workers)

@@ -208,9 +208,10 @@ def run_cell(sweep: Sweep, cell: Cell, run_dir: Path, progress: bool = False) ->
     folder to try it again). The checkpoints of a finished cell are deleted (final/ is kept).
     """
     resumable = latest_checkpoint(run_dir) is not None
-    if resumable:
-        config = cell_config(sweep, cell, run_dir, resume=True)
+    if resumable:  # checked as the sweep defines it, not as the saved config.json fills it in
+        config = cell_config(sweep, cell, run_dir)
         check_same_run(config, run_dir)
+        config = config.replace(resume=True)
     else:  # new, or stopped before its first checkpoint: start over
         config = cell_config(sweep, cell, run_dir, force=True)
     try:
