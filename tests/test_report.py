@@ -501,6 +501,7 @@ def test_protocol_decisions_by_hand(tmp_path, capsys):
          "tsv R=8 (outer lr: highest tried)"),
         ("incomplete", ["outer lr 0.3, momentum preset"],
          "tsv lacks outer lr 0.3, momentum preset"),
+        ("mean_loss", math.inf, "tsv (every setting failed at some R"),
     ]  # fmt: skip
     for key, value, message in refusals:
         changed = [tuned[0], {**tuned[1], key: value}]

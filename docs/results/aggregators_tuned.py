@@ -152,6 +152,8 @@ def flags(folder: str, aggregators: str | None = None) -> int:
                      for workers, edges in entry.get("grid_edges_at_R", {}).items()
                      for edge in edges]  # fmt: skip
         problems += [f"{name} lacks {setting}" for setting in entry.get("incomplete", [])]
+        if not math.isfinite(entry["mean_loss"]):
+            problems.append(f"{name} (every setting failed at some R: widen the grid downward)")
     if problems:
         say(f"not tuned yet: extend the grid or finish the sweep, and tune again: "
             f"{', '.join(problems)}")  # fmt: skip
