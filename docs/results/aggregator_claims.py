@@ -25,6 +25,7 @@ from mergekit_loco.compare.runs import BASELINE, load_runs
 from mergekit_loco.compare.stats import PairedInterval, paired_difference, paired_interval
 from mergekit_loco.compare.sweep_report import (
     SummaryRow,
+    failed_shared_seeds,
     format_difference,
     orderings,
     summarize,
@@ -134,8 +135,7 @@ def verdicts(rows: Mapping[tuple, SummaryRow]) -> list[dict]:
             left, right = rows.get(key(a, workers, steps)), rows.get(key(b, workers, steps))
             if left is None or right is None:
                 continue
-            shared = set(left.losses) & set(right.losses)
-            if any(math.isinf(left.losses[s]) or math.isinf(right.losses[s]) for s in shared):
+            if failed_shared_seeds(left, right):
                 found.append({"claim": claim, "R": workers, "H": steps, "n": 0,
                               "verdict": "cannot tell (a run failed)", "p": None})  # fmt: skip
                 continue

@@ -177,8 +177,7 @@ def format_difference(row: SummaryRow, other: SummaryRow | None, digits: int = 4
     2)``: the shared seeds on which either run failed (no difference is formed)."""
     if other is None or row is other:
         return ""
-    shared = set(row.losses) & set(other.losses)
-    failed = [s for s in sorted(shared) if math.isinf(row.losses[s]) or math.isinf(other.losses[s])]
+    failed = failed_shared_seeds(row, other)
     if failed:
         return f"failed (seeds {', '.join(map(str, failed))})"
     interval = paired_interval(row.losses, other.losses)
@@ -186,6 +185,12 @@ def format_difference(row: SummaryRow, other: SummaryRow | None, digits: int = 4
     if 0 < interval.n < max(len(row.losses), len(other.losses)):
         text += f" (n={interval.n})"
     return text
+
+
+def failed_shared_seeds(row: SummaryRow, other: SummaryRow) -> list[int]:
+    """The seeds both cells ran on which either failed: no paired difference can be formed."""
+    shared = sorted(set(row.losses) & set(other.losses))
+    return [s for s in shared if math.isinf(row.losses[s]) or math.isinf(other.losses[s])]
 
 
 SIGNIFICANCE_NOTE = (

@@ -290,10 +290,7 @@ def resolve_config(config_file: str | Path | None = None, **overrides: Any) -> T
     the ``dp`` preset; in that mode outer-step options other than the preset's are refused
     (:func:`check_no_outer_step`).
     """
-    from_file = read_config_file(config_file) if config_file else {}
-    explicit = coerce_values(from_file, str(config_file))
-    flags = coerce_values({k: v for k, v in overrides.items() if v is not None}, "flags")
-    given = option_names(config_file, from_file, flags)
+    explicit, flags, given = read_options(config_file, overrides)
     options = {**explicit.pop("aggregator_options", {}), **flags.pop("aggregator_options", {})}
     explicit.update(flags)
     if "preset" not in explicit and not explicit.get("resume"):
@@ -337,12 +334,20 @@ def option_names(
     return names | {key: f"--{key.replace('_', '-')}" for key in flags}
 
 
+def read_options(
+    config_file: str | Path | None, overrides: Mapping[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, str]]:
+    """The config file's options and the flags (those not None), each checked and converted,
+    and :func:`option_names` of both."""
+    from_file = read_config_file(config_file) if config_file else {}
+    explicit = coerce_values(from_file, str(config_file))
+    flags = coerce_values({k: v for k, v in overrides.items() if v is not None}, "flags")
+    return explicit, flags, option_names(config_file, from_file, flags)
+
+
 def given_options(config_file: str | Path | None, **overrides: Any) -> dict[str, str]:
     """:func:`option_names` of the options :func:`resolve_config` would read as set."""
-    from_file = read_config_file(config_file) if config_file else {}
-    coerce_values(from_file, str(config_file))  # the same checks as resolve_config
-    flags = coerce_values({k: v for k, v in overrides.items() if v is not None}, "flags")
-    return option_names(config_file, from_file, flags)
+    return read_options(config_file, overrides)[2]
 
 
 #: Options that only the DiLoCo outer step reads.
