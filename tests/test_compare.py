@@ -210,6 +210,37 @@ def test_stopped_sweep_resumes_and_never_reruns_finished_cells(tmp_path, domains
         sweeping.run_sweep(other, tmp_path, figures=False)
 
 
+def test_a_grid_extended_by_the_printed_values_reuses_its_cells(tmp_path, domains, monkeypatch):
+    """0.71 x 0.7 is 0.49699999999999994; the cell is named lr0.497, and naming 0.497 to extend
+    the grid must neither refuse nor rerun it, nor count it as another setting."""
+    calls = []
+
+    def counting_train(config, progress=True):
+        calls.append(Path(config.run.out).name)
+        return train(config, progress=False)
+
+    monkeypatch.setattr(sweeping, "train", counting_train)
+    shared = {**TOY, "tokens": 2 * 2 * 4 * 32, "data": domains[1]}  # 2 rounds of H = 2
+    first = Sweep(["diloco"], [2], inner_steps=[2], outer_lr_grid=Grid.parse(["0.71"]),
+                  baseline=False, shared=shared)  # fmt: skip
+    sweeping.run_sweep(first, tmp_path, figures=False)
+    saved = json.loads((tmp_path / "runs" / "diloco-R2-H2-lr0.497-s0" / "config.json").read_text())
+    assert saved["outer_lr"] == 0.71 * 0.7 != 0.497
+
+    calls.clear()
+    extended = Sweep(["diloco"], [2], inner_steps=[2],
+                     outer_lr_grid=Grid.parse(["diloco=0.35,0.497"]),
+                     outer_momentum_grid=Grid.parse(["0.8,0.9"], relative=False), baseline=False,
+                     shared=shared)  # fmt: skip
+    summary = sweeping.run_sweep(extended, tmp_path, figures=False)
+    assert sorted(calls) == ["diloco-R2-H2-lr0.35-m0.8-s0", "diloco-R2-H2-lr0.35-s0",
+                             "diloco-R2-H2-lr0.497-m0.8-s0"]  # fmt: skip
+    (row,) = summary
+    assert sorted(setting for setting, _ in row.sweep) == [
+        (0.35, 0.8), (0.35, 0.9), (0.497, 0.8), (0.497, 0.9)
+    ]  # fmt: skip
+
+
 def test_failed_cells_are_recorded_not_raised(tmp_path, monkeypatch):
     errors = {"diloco": FloatingPointError("round 1: train loss is nan"),
               "iso-cts": torch.linalg.LinAlgError("linalg.svd: failed to converge")}  # fmt: skip

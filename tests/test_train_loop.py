@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 from mergekit_loco.cli import app
 from mergekit_loco.train import rounds
 from mergekit_loco.train.checkpoint import CheckpointCorrupt, latest_checkpoint
-from mergekit_loco.train.config import PRESETS, TrainConfig, resolve_config
+from mergekit_loco.train.config import PRESETS, TrainConfig, preset_config, resolve_config
 from mergekit_loco.train.data import prepare_data
 from mergekit_loco.train.loop import TrainingDiverged, TrainingInterrupted, train
 from mergekit_loco.train.model import build_model, model_config, parameter_checksum
@@ -327,6 +327,18 @@ def test_resume_refuses_another_config(corpus, tmp_path, reference_run):
     changed = tiny_config(corpus, reference_run.out, preset="isoloco", workers=2, resume=True)
     with pytest.raises(ValueError, match=r"workers: 4 -> 2.*--allow-config-change"):
         train(changed, progress=False)
+
+
+def test_a_value_typed_from_its_printed_form_is_no_config_change():
+    saved = preset_config("diloco").replace(outer_lr=0.71 * 0.7, betas=[0.9, 0.95]).to_dict()
+    typed = preset_config("diloco").replace(outer_lr=0.497, betas=[0.9, 0.95 + 1e-12])
+    assert saved["outer_lr"] != 0.497 and typed.differences(saved) == []
+    assert preset_config("diloco").replace(outer_lr=0.4971).differences(saved) == [
+        "outer_lr: 0.49699999999999994 -> 0.4971"
+    ]
+    assert typed.replace(betas=[0.9, 0.951]).differences(saved) == [
+        "betas: [0.9, 0.95] -> [0.9, 0.951]"
+    ]
 
 
 def test_existing_run_is_not_clobbered(corpus, reference_run):

@@ -25,6 +25,12 @@ INNER_LRS="${INNER_LRS:-5e-4 1e-3 2e-3 4e-3}"
 WEIGHT_DECAY=0.1
 OUTER_LR_GRID="${OUTER_LR_GRID:-0.5,0.71,1,1.41,2}"   # multiples of each preset's outer lr
 MOMENTUM_GRID="${MOMENTUM_GRID:-0.8,0.9,0.95}"         # presets with momentum only
+# To extend the grid of one aggregator only, add a space and its values, e.g.
+# OUTER_LR_GRID="0.5,0.71,1,1.41,2 diloco=0.25,0.35,0.497,0.7,0.987,1.4": each word is one
+# --outer-lr-grid option; the values as cell names print them reuse the finished cells.
+GRIDS=()
+for spec in $OUTER_LR_GRID; do GRIDS+=(--outer-lr-grid "$spec"); done
+for spec in $MOMENTUM_GRID; do GRIDS+=(--outer-momentum-grid "$spec"); done
 
 # 1. Horizon: DiLoCo (presets' values, R = 8) and the baseline on a long budget, validated
 #    every 20 rounds; the budget is where doubling the tokens gains < 0.05 nats.
@@ -69,8 +75,7 @@ INNER="--inner-lr $INNER_LR --weight-decay $WEIGHT_DECAY"
 #    Chosen on final losses only, so cells validate only at the end (7% of a cell's time); no
 #    baseline cell (stage 3 ran dp at this inner lr).
 mloco compare --aggregators "$AGGREGATORS" --workers 2,8 --seeds "$TUNING_SEED" $SHARED \
-  --tokens "$TOKENS" $INNER --eval-every 0 --no-baseline --outer-lr-grid "$OUTER_LR_GRID" \
-  --outer-momentum-grid "$MOMENTUM_GRID" -o "$WORK/tune"
+  --tokens "$TOKENS" $INNER --eval-every 0 --no-baseline "${GRIDS[@]}" -o "$WORK/tune"
 TUNED=$(decide flags "$WORK/tune")
 decide table "$WORK/tune" > "$WORK/tune/tuned.md"
 

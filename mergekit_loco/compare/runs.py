@@ -39,7 +39,8 @@ RUN_COLUMNS = (
 class Run:
     """One training run as saved: its config and its final validation loss (None: unfinished;
     inf: failed), with the validation and training loss curves against tokens seen.
-    ``outer_lr`` and ``outer_momentum`` are None for the data-parallel baseline."""
+    ``outer_lr`` and ``outer_momentum`` are None for the data-parallel baseline, else as a cell
+    name prints them (:func:`setting_value`)."""
 
     name: str
     aggregator: str
@@ -104,6 +105,13 @@ def is_finished(run_dir: Path) -> bool:
     return bool(events) and events[-1].get("event") == "final"
 
 
+def setting_value(value: float | None) -> float | None:
+    """An outer value to the 6 significant digits a cell's name shows (``lr0.497``), so that
+    runs whose names show one value are one setting: a grid's 0.71 x 0.7 (0.49699999999999994)
+    and the 0.497 typed to extend that grid."""
+    return None if value is None else float(f"{value:.6g}")
+
+
 def load_run(run_dir: Path) -> Run:
     """Read one run folder (its config and metrics)."""
     if not (run_dir / run_layout.CONFIG).exists():
@@ -128,6 +136,10 @@ def load_run(run_dir: Path) -> Run:
         elif kind in ("eval", "final") and event.get("val_loss") is not None:
             val_curve.append((tokens, number_in(event, "val_loss", f"{metrics}: {kind}")))
     final = events[-1] if events and events[-1].get("event") == "final" else None
+
+    def outer_value(key: str) -> float | None:
+        return None if config.get(key) is None else setting_value(number_in(config, key, where))
+
     if (run_dir / FAILED_FILE).exists():
         status, val_loss = "failed", math.inf
     elif final is not None:
@@ -142,8 +154,8 @@ def load_run(run_dir: Path) -> Run:
         workers=int(config.get("workers", 1)),
         inner_steps=int(config.get("inner_steps", 0)),
         seed=int(config.get("seed", 0)),
-        outer_lr=config.get("outer_lr") if outer else None,
-        outer_momentum=config.get("outer_momentum") if outer else None,
+        outer_lr=outer_value("outer_lr") if outer else None,
+        outer_momentum=outer_value("outer_momentum") if outer else None,
         tokens=None if tokens is None else int(tokens),
         global_batch=config.get("global_batch"),
         seq_len=config.get("seq_len"),
@@ -182,8 +194,8 @@ def runs_from_table(path: Path) -> list[Run]:
             workers=int(row["workers"]),
             inner_steps=int(row["inner_steps"]),
             seed=int(row["seed"]),
-            outer_lr=number(row.get("outer_lr"), float),
-            outer_momentum=number(row.get("outer_momentum"), float),
+            outer_lr=setting_value(number(row.get("outer_lr"), float)),
+            outer_momentum=setting_value(number(row.get("outer_momentum"), float)),
             tokens=number(row.get("tokens"), int),
             global_batch=number(row.get("global_batch"), int),
             seq_len=number(row.get("seq_len"), int),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -174,14 +175,26 @@ class TrainConfig:
 
     def differences(self, saved: Mapping[str, Any]) -> list[str]:
         """``"name: saved -> now"`` for every run-defining field that differs from ``saved``
-        (a config dict, e.g. a checkpoint's)."""
+        (a config dict, e.g. a checkpoint's). Floats equal to 1e-9 relative are the same value:
+        0.497 typed from a printed 0.71 x 0.7 = 0.49699999999999994 names the same run."""
         mine = self.run_defining()
         theirs = TrainConfig.from_dict(saved).run_defining()
         return [
             f"{name}: {theirs[name]!r} -> {value!r}"
             for name, value in mine.items()
-            if theirs[name] != value
+            if not same_value(theirs[name], value)
         ]
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Equal, with floats (also inside lists, tuples and dicts) equal to 1e-9 relative."""
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
+    return a == b
 
 
 def default(flat: str) -> Any:
