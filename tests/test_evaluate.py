@@ -169,3 +169,17 @@ def test_a_data_path_with_commas_is_one_dataset(model_folder, corpus, tmp_path, 
     assert [r["data"] for r in records] == [str(odd), corpus]
     expected, _ = direct_loss(model_folder, held_out_tokens(str(odd), model_folder, 200))
     assert math.isclose(records[0]["loss"], expected, rel_tol=1e-5)
+
+
+def test_a_path_with_a_plus_joins_another_source(model_folder, corpus, tmp_path, capsys):
+    """``--data a+b`` with a ``+`` in b's name: b stays whole (it exists), joined to a."""
+    odd = tmp_path / "code+2024"
+    shutil.copytree(corpus, odd)
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["eval", str(model_folder), "--data", f"{corpus}+{odd}", "--tokens", "200",
+                  "--seq-len", str(SEQ_LEN), "--json"])  # fmt: skip
+    assert exited.value.code == 0
+    [record] = json.loads(capsys.readouterr().out)
+    spec = f"{corpus},{odd}"
+    expected, _ = direct_loss(model_folder, held_out_tokens(spec, model_folder, 200))
+    assert record["data"] == spec and math.isclose(record["loss"], expected, rel_tol=1e-5)

@@ -46,12 +46,11 @@ def split_paths(text: str | None) -> list[str]:
 
 def split_datasets(text: str | None) -> list[str]:
     """``"stdlib,pydoc"`` -> two datasets; ``"stdlib+torchsrc"`` -> one dataset of both sources,
-    the spec ``train --data stdlib,torchsrc`` reads (an existing path is taken as it is, commas
-    or pluses in its name and all)."""
-    return [
-        item if Path(item).expanduser().exists() else item.replace("+", ",")
-        for item in split_paths(text)
-    ]
+    the spec ``train --data stdlib,torchsrc`` reads (an existing path is one source, commas or
+    pluses in its name and all)."""
+    from mergekit_loco.train.sources import split_sources
+
+    return [",".join(split_sources(item, "+")) for item in split_paths(text)]
 
 
 #: A count of seeds above this is taken for a seed written without its trailing comma.

@@ -50,22 +50,22 @@ def cache_root() -> Path:
 
 
 # -- sources ------------------------------------------------------------------------------------
-def split_sources(spec: str) -> list[str]:
-    """The sources of a comma-separated data spec. A path whose name holds commas stays whole
-    where it exists (``notes,2024.txt``): at each position the longest run of parts that names
-    an existing path is one source."""
-    parts = spec.split(",")
+def split_sources(spec: str, separator: str = ",") -> list[str]:
+    """The sources of a comma-separated data spec. A path whose name holds the separator stays
+    whole where it exists (``notes,2024.txt``): at each position the longest run of parts that
+    names an existing path is one source."""
+    parts = spec.split(separator)
     sources, start = [], 0
     while start < len(parts):
         end = next(
             (
                 end
                 for end in range(len(parts), start + 1, -1)
-                if Path(",".join(parts[start:end]).strip()).expanduser().exists()
+                if Path(separator.join(parts[start:end]).strip()).expanduser().exists()
             ),
             start + 1,
         )
-        sources.append(",".join(parts[start:end]).strip())
+        sources.append(separator.join(parts[start:end]).strip())
         start = end
     return sources
 
