@@ -156,30 +156,26 @@ def test_plus_joins_sources_into_the_one_dataset_training_reads(model_folder, co
     assert [r["data"] for r in json.loads(capsys.readouterr().out)] == [corpus, str(second)]
 
 
-def test_a_data_path_with_commas_is_one_dataset(model_folder, corpus, tmp_path, capsys):
-    """``--data`` of eval keeps an existing path whose name holds commas whole (as train's
-    does), beside a plain second dataset."""
-    odd = tmp_path / "code,2024"
+@pytest.mark.parametrize(
+    ("name", "given", "datasets"),
+    [
+        ("code,2024", "{odd},{corpus}", ["{odd}", "{corpus}"]),  # beside a second dataset
+        ("code+2024", "{corpus}+{odd}", ["{corpus},{odd}"]),  # joined to another source
+    ],
+)
+def test_a_data_path_with_a_separator_in_its_name_stays_whole(
+    name, given, datasets, model_folder, corpus, tmp_path, capsys
+):
+    """``--data`` of eval keeps an existing path whose name holds commas or pluses whole (as
+    train's does); each dataset's loss is the direct one on its held-out tokens."""
+    odd = tmp_path / name
     shutil.copytree(corpus, odd)
     with pytest.raises(SystemExit) as exited:
-        cli.main(["eval", str(model_folder), "--data", f"{odd},{corpus}", "--tokens", "200",
-                  "--seq-len", str(SEQ_LEN), "--json"])  # fmt: skip
+        cli.main(["eval", str(model_folder), "--data", given.format(odd=odd, corpus=corpus),
+                  "--tokens", "200", "--seq-len", str(SEQ_LEN), "--json"])  # fmt: skip
     assert exited.value.code == 0
     records = json.loads(capsys.readouterr().out)
-    assert [r["data"] for r in records] == [str(odd), corpus]
-    expected, _ = direct_loss(model_folder, held_out_tokens(str(odd), model_folder, 200))
+    specs = [spec.format(odd=odd, corpus=corpus) for spec in datasets]
+    assert [r["data"] for r in records] == specs
+    expected, _ = direct_loss(model_folder, held_out_tokens(specs[0], model_folder, 200))
     assert math.isclose(records[0]["loss"], expected, rel_tol=1e-5)
-
-
-def test_a_path_with_a_plus_joins_another_source(model_folder, corpus, tmp_path, capsys):
-    """``--data a+b`` with a ``+`` in b's name: b stays whole (it exists), joined to a."""
-    odd = tmp_path / "code+2024"
-    shutil.copytree(corpus, odd)
-    with pytest.raises(SystemExit) as exited:
-        cli.main(["eval", str(model_folder), "--data", f"{corpus}+{odd}", "--tokens", "200",
-                  "--seq-len", str(SEQ_LEN), "--json"])  # fmt: skip
-    assert exited.value.code == 0
-    [record] = json.loads(capsys.readouterr().out)
-    spec = f"{corpus},{odd}"
-    expected, _ = direct_loss(model_folder, held_out_tokens(spec, model_folder, 200))
-    assert record["data"] == spec and math.isclose(record["loss"], expected, rel_tol=1e-5)
