@@ -253,6 +253,41 @@ def test_every_method_matches_the_single_process_merge(world, tmp_path):
     mp.spawn(check_all_methods, args=(world, str(tmp_path / "store")), nprocs=world)
 
 
+def check_small_beside_large(rank: int, store: str) -> None:
+    """int8 compression keeps each tensor's own scales: a norm 1000 times smaller than the
+    matrix beside it comes back with the per-row error of int8 (at most half a step of 1/127 of
+    its own largest entry per rank), not rounded to 0 by the matrix's scale. TIES elects signs
+    on sums formed in float32 for bfloat16 deltas (hand case: -256 + 2^-7 + 256 + 0 > 0)."""
+    init(rank, 2, store, timeout_s=60)
+    generator = torch.Generator().manual_seed(11)
+    deltas = [
+        TaskVector({"w": torch.randn(64, 8, generator=generator),
+                    "ln": 1e-3 * torch.randn(8, generator=generator)})  # fmt: skip
+        for _ in range(4)
+    ]
+    local = deltas[rank * 2 : rank * 2 + 2]
+    for name in ("mean", "ta"):
+        expected = get_method(name).merge(deltas)
+        got, stats = merge_across_ranks(get_method(name), local, compression="int8")
+        assert stats.plan == "all-reduce"
+        for key in ("w", "ln"):
+            error = (got[key] - expected[key]).abs().max()
+            assert error <= 2 * expected[key].abs().max() / 127, f"{name} {key}: {error}"
+
+    rows = [[-256.0, -1.0], [2.0**-7, -1.0], [256.0, -1.0], [0.0, -1.0]]
+    halves = [TaskVector({"v": torch.tensor(row, dtype=torch.bfloat16)}) for row in rows]
+    ties = get_method("ties", density=1.0)
+    got, stats = merge_across_ranks(ties, halves[rank * 2 : rank * 2 + 2], plan="all-reduce")
+    assert got["v"].dtype == torch.bfloat16 and got["v"].tolist() == [128.0, -1.0]
+    assert ties.merge(halves)["v"].tolist() == [128.0, -1.0]
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def test_compressed_and_half_precision_sums_keep_small_tensors(tmp_path):
+    mp.spawn(check_small_beside_large, args=(str(tmp_path / "store"),), nprocs=2)
+
+
 def check_tensors_without_entries(rank: int, store: str) -> None:
     """Zero-size tensors beside a real matrix, on every plan of every method: the empty shape
     comes back on every rank and the real matrix equals the single-process merge."""

@@ -273,6 +273,21 @@ def test_ties_zero_majority_leaves_sign_zero_and_keeps_negatives():
     assert merge_lists("ties", [[2.0, 1.0, -1.0], [-2.0, 1.0, -3.0]], density=1.0) == [-2, 1, -2]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("name", "params"),
+    [("ties", {"density": 1.0}), ("dare", {"density": 1.0, "consensus": True, "normalize": True})],
+)
+def test_sign_election_sums_half_precision_deltas_in_float32(name, params, dtype):
+    # entry 0: -256 + 2^-7 + 256 = +2^-7, so the elected sign is + and the disjoint mean is
+    # (2^-7 + 256) / 2 = 128.0039, 128 in either dtype. Summed in the deltas' dtype, -256 + 2^-7
+    # rounds to -256, the total to 0, which takes the majority sign (-, from entry 1): -256.
+    rows = [[-256.0, -1.0], [2.0**-7, -1.0], [256.0, -1.0]]  # exact in both dtypes
+    deltas = [torch.tensor(row, dtype=dtype) for row in rows]
+    merged = get_method(name, **params).merge_tensor("v", deltas)
+    assert merged.dtype == dtype and merged.tolist() == [128.0, -1.0]
+
+
 def test_ties_all_zero_tensor_stays_zero():
     assert merge_lists("ties", [[0.0, 0.0], [0.0, 0.0]]) == [0.0, 0.0]
 

@@ -102,7 +102,9 @@ class Transport:
 
     def all_reduce(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """``sum over ranks`` of each tensor, bit-identical on every rank. Uncompressed: one ring
-        all-reduce per dtype; compressed: reduce-scatter of P equal slices, then all-gather."""
+        all-reduce per dtype; compressed: each tensor cut in P equal pieces, piece q summed on
+        rank q (a reduce-scatter), then all-gathered; the codec encodes every piece on its own,
+        so no int8 row spans two tensors (a small tensor never takes a large one's scale)."""
         summed: list[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
         for dtype, indices in by_dtype([tensor.dtype for tensor in tensors]):
             flat = flatten([tensors[i] for i in indices], dtype, self.codec.device)
@@ -111,11 +113,12 @@ class Transport:
                 ring_bytes = 2 * (self.world - 1) * nbytes // self.world
                 self.run("all_reduce", ring_bytes, dist.all_reduce, flat, group=self.group)
             else:
-                slices = list(flat.tensor_split(self.world))
-                owners = list(range(self.world))
-                reduced = self.reduce_to_owners(slices, owners)
+                numels = [tensors[i].numel() for i in indices]
+                pieces = [p for t in flat.split(numels) for p in t.tensor_split(self.world)]
+                owners = list(range(self.world)) * len(indices)
+                reduced = self.reduce_to_owners(pieces, owners)
                 flat = torch.cat(
-                    self.from_owners(reduced, [(s.shape, dtype) for s in slices], owners)
+                    self.from_owners(reduced, [(p.shape, dtype) for p in pieces], owners)
                 )
             for index, tensor in zip(
                 indices, unflatten(flat, [tensors[i].shape for i in indices]), strict=True

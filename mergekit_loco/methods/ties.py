@@ -240,9 +240,10 @@ def sign_consensus_merge(
 
     Two passes over cache-sized slices: the first stores ``sum_t u_t`` in the output and
     counts the elected signs, the second overwrites it with the result; beyond the output only
-    slice-sized temporaries exist.
+    slice-sized temporaries exist. Sums are formed in float32 at least (a bfloat16 sum can
+    round to 0 and elect the wrong sign); the result is cast back to ``like``'s dtype.
     """
-    merged = torch.empty_like(like.reshape(-1))
+    merged = torch.empty_like(like.reshape(-1), dtype=summing_dtype(like.dtype))
     parts = slices(merged.numel(), merged.device)
     sign_balance = 0.0
     for part in parts:
@@ -256,7 +257,12 @@ def sign_consensus_merge(
         merged[part] = disjoint_mean_slice(
             task_slices(part), merged[part], zero_direction, weights, normalize
         )
-    return merged.view(like.shape)
+    return merged.view(like.shape).to(like.dtype)
+
+
+def summing_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype TIES sums ``dtype`` deltas in: float32 at least."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 @dataclass(frozen=True)
@@ -316,12 +322,15 @@ class Ties(MergeMethod):
         self, comm: Collectives, local: Sequence[TaskVector], names: list[str]
     ) -> list[torch.Tensor]:
         """Round 1: all-reduce ``sum_t trim(tau_t)`` and elect signs from it; round 2:
-        all-reduce the agreeing entries' sum and count; ``merged = sum / max(count, 1)``."""
+        all-reduce the agreeing entries' sum and count; ``merged = sum / max(count, 1)``. The
+        sums are formed, and travel, in float32 at least (:func:`summing_dtype`)."""
         trimmed = [
             torch.stack([keep_top_magnitude(tv[name], self.density) for tv in local])
             for name in names
         ]
-        sums = comm.all_reduce([block.sum(dim=0) for block in trimmed])
+        sums = comm.all_reduce(
+            [block.sum(dim=0, dtype=summing_dtype(block.dtype)) for block in trimmed]
+        )
         partial = [
             agreeing_sum_and_count(block, elect_sign(total))
             for block, total in zip(trimmed, sums, strict=True)
@@ -332,8 +341,8 @@ class Ties(MergeMethod):
         )
         totals, counts = reduced[: len(names)], reduced[len(names) :]
         return [
-            divide_by_count(total, count.long())
-            for total, count in zip(totals, counts, strict=True)
+            divide_by_count(total, count.long()).to(block.dtype)
+            for total, count, block in zip(totals, counts, trimmed, strict=True)
         ]
 
 
@@ -343,9 +352,11 @@ def count_dtype_for(workers: int) -> torch.dtype:
 
 
 def two_sums_bytes(layout: Layout, workers_per_rank: int, world: int, pricing: Pricing) -> float:
-    """Two ring all-reduces: ``2 (P-1) N (2 b + c)`` over all ranks (c: count bytes)."""
+    """Two ring all-reduces: ``2 (P-1) N (2 b' + c)`` over all ranks (b': bytes of the sums,
+    float32 at least; c: count bytes)."""
     count_bytes = count_dtype_for(workers_per_rank * world).itemsize
     entries = sum(
-        math.prod(shape) * (2 * pricing.width(dtype) + count_bytes) for _, shape, dtype in layout
+        math.prod(shape) * (2 * pricing.width(summing_dtype(dtype)) + count_bytes)
+        for _, shape, dtype in layout
     )
     return 2 * (world - 1) * entries
