@@ -261,8 +261,12 @@ def check_small_beside_large(rank: int, store: str) -> None:
     init(rank, 2, store, timeout_s=60)
     generator = torch.Generator().manual_seed(11)
     deltas = [
-        TaskVector({"w": torch.randn(64, 8, generator=generator),
-                    "ln": 1e-3 * torch.randn(8, generator=generator)})  # fmt: skip
+        TaskVector(
+            {
+                "w": torch.randn(64, 8, generator=generator),
+                "ln": 1e-3 * torch.randn(8, generator=generator),
+            }
+        )  # fmt: skip
         for _ in range(4)
     ]
     local = deltas[rank * 2 : rank * 2 + 2]
