@@ -10,6 +10,9 @@ from pathlib import Path
 import torch
 
 from mergekit_loco.io import CheckpointError, CheckpointReader
+from mergekit_loco.io.atomic import INDEX_SUFFIX
+from mergekit_loco.io.lora import ADAPTER_WEIGHTS
+from mergekit_loco.io.reader import INDEX_FILE, SINGLE_FILE, read_index
 
 
 def identity(path: Path) -> tuple[int, int] | None:
@@ -22,34 +25,51 @@ def identity(path: Path) -> tuple[int, int] | None:
     return status.st_dev, status.st_ino
 
 
+def footprint(path: Path) -> set[tuple[int, int]]:
+    """The files and folder a checkpoint path leads to (:func:`identity` of each): the path, and
+    the weight files it is read from (a folder's ``model.safetensors``, adapter weights or the
+    shards of its index; an index file's shards). Two paths of one checkpoint (a folder and
+    its ``model.safetensors``, or its index file) share some."""
+    files = [path]
+    index = path / INDEX_FILE if path.is_dir() else path
+    if index.name.endswith(INDEX_SUFFIX) and index.is_file():
+        try:
+            files += [index, *{entry.file for entry in read_index(index).values()}]
+        except CheckpointError:
+            pass  # the reader says why when it opens the checkpoint
+    elif path.is_dir():
+        files += [path / SINGLE_FILE, path / ADAPTER_WEIGHTS]
+    return {key for key in map(identity, files) if key is not None}
+
+
 def same_checkpoint(first: Path, second: Path) -> bool:
-    """``first`` and ``second`` name one file or folder (equal paths, or one through links)."""
-    key = identity(first)
-    return first == second or (key is not None and key == identity(second))
+    """``first`` and ``second`` lead to one checkpoint (equal paths, one through links, or a
+    folder and one of its weight files: :func:`footprint`)."""
+    return first == second or bool(footprint(first) & footprint(second))
 
 
 def check_distinct(models: Sequence[Path], base: Path | None) -> None:
     """Each checkpoint once: a model given twice would count twice, and a model that is the base
     has a zero task vector that still weighs in every method but ``ta``. Raises
     :class:`CheckpointError` naming the path and saying what to do instead."""
-    seen: dict[tuple[int, int], Path] = {}
-    base_identity = identity(base) if base is not None else None
+    base_files = footprint(base) if base is not None else set()
+    seen: list[tuple[Path, set[tuple[int, int]]]] = []
     for path in models:
-        key = identity(path)
-        if key is None:
-            continue
-        if key == base_identity:
+        files = footprint(path)
+        if files & base_files:
             raise CheckpointError(
                 f"{path}: is the base ({base}) given again as a model; its task vector "
                 "(model - base) is zero, so leave it out of the models"
             )
-        if key in seen:
-            same = "" if str(seen[key]) == str(path) else f" (as {seen[key]})"
-            raise CheckpointError(
-                f"{path}: given twice as a model{same}; each model counts once (to weight one "
-                "model more, give a mergekit YAML with per-model weight: mloco merge --config)"
-            )
-        seen[key] = path
+        for earlier, earlier_files in seen:
+            if files & earlier_files:
+                same = "" if str(earlier) == str(path) else f" (as {earlier})"
+                raise CheckpointError(
+                    f"{path}: given twice as a model{same}; each model counts once (to weight "
+                    "one model more, give a mergekit YAML with per-model weight: mloco merge "
+                    "--config)"
+                )
+        seen.append((path, files))
 
 
 def dtype_kind(dtype: torch.dtype) -> str:

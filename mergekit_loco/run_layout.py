@@ -22,8 +22,8 @@ from mergekit_loco.io.atomic import (
     OWNER_MARKER,
     OutputRefused,
     claim_folder,
+    foreign_entry,
     is_ours,
-    is_plain_checkpoint,
     overlapping_input,
     remove_output,
 )
@@ -75,7 +75,7 @@ def looks_written_by_a_run(path: Path) -> bool:
     if path.name == METRICS:
         return path.is_file()
     if path.name == FINAL:
-        return is_ours(path) or is_plain_checkpoint(path)
+        return foreign_entry(path) is None
     return path.is_dir() and all(
         not entry.is_symlink() and ROUND_ENTRY.fullmatch(entry.name) is not None
         for entry in path.iterdir()

@@ -39,7 +39,46 @@ def test_force_refuses_a_folder_it_did_not_write(capsys, tmp_path, inputs):
     (home / "model.safetensors").write_bytes(b"x")
     before = snapshot(tmp_path)
     code, err, _ = merge(capsys, inputs, home, "--force")
-    assert_refused(code, err, str(home), "--force replaces only an output mergekit_loco wrote")
+    assert_refused(code, err, str(home), "--force replaces only a checkpoint", "holds .ssh")
+    assert snapshot(tmp_path) == before
+
+
+def test_force_keeps_a_file_the_user_added_to_an_output_of_ours(capsys, tmp_path, inputs):
+    out = tmp_path / "merged"
+    assert merge(capsys, inputs, out)[0] == 0
+    (out / "NOTES.md").write_text("my notes")
+    (out / "eval_results").mkdir()
+    before = snapshot(tmp_path)
+    code, err, _ = merge(capsys, inputs, out, "--force")
+    assert_refused(code, err, str(out), "--force replaces only a checkpoint", "holds NOTES.md")
+    assert snapshot(tmp_path) == before
+
+
+def test_an_input_given_by_its_index_file_is_its_whole_folder(capsys, tmp_path, inputs):
+    """A shard of an index-named input, or any path in its folder, is the input's."""
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    save_file({"w": torch.zeros(4)}, sharded / "model-00001-of-00001.safetensors")
+    index = sharded / "model.safetensors.index.json"
+    index.write_text('{"weight_map": {"w": "model-00001-of-00001.safetensors"}}')
+    before = snapshot(tmp_path)
+    for out in (sharded / "model-00001-of-00001.safetensors", sharded / "merged"):
+        code, err, _ = run_cli(capsys, "merge", inputs[1], "--base", index, "-m", "ta", "-o",
+                               out, "--force")  # fmt: skip
+        assert_refused(code, err, str(out), "would overlap the input", str(sharded))
+    assert snapshot(tmp_path) == before
+
+
+def test_an_output_path_through_a_missing_folder_and_dot_dot(capsys, tmp_path, inputs, monkeypatch):
+    """``new/../x`` is ``./x``: written there, no ``new`` left behind, never over an existing
+    ``x`` without --force."""
+    monkeypatch.chdir(tmp_path)
+    assert merge(capsys, inputs, "new/../x.safetensors")[0] == 0
+    assert load_file(tmp_path / "x.safetensors")["w"].tolist() == [1.0] * 4
+    assert not (tmp_path / "new").exists()
+    before = snapshot(tmp_path)
+    code, err, _ = merge(capsys, inputs, "other/../x.safetensors")
+    assert_refused(code, err, "x.safetensors", "output file exists; add --force")
     assert snapshot(tmp_path) == before
 
 

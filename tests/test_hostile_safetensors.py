@@ -93,6 +93,11 @@ MALFORMED = {
         ),
         "overflows",
     ),
+    "shape_overflow_beside_a_zero": (
+        raw_file(entries(a={"dtype": "F32", "shape": [2**62, 2**62, 0], "data_offsets": [0, 0]})),
+        "overflows",
+    ),
+    "no_tensors": (raw_file("{}"), "holds no tensors"),
     "offsets_disagree": (
         raw_file(entries(a={"dtype": "F32", "shape": [5], "data_offsets": [0, 16]}), bytes(16)),
         "needs 20",

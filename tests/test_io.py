@@ -18,7 +18,7 @@ from mergekit_loco.io import (
     open_checkpoint,
 )
 from mergekit_loco.io import writer as writer_module
-from mergekit_loco.io.atomic import OWNER_MARKER, raise_on_signal
+from mergekit_loco.io.atomic import OWNER_MARKER, OutputRefused, raise_on_signal
 
 MIXED = {
     "odd_bf16": torch.arange(3, dtype=torch.bfloat16),  # 6 bytes: would misalign what follows
@@ -207,15 +207,19 @@ def test_writer_refuses_existing_output_before_any_work(tmp_path):
     assert out.read_bytes() == b"precious"
 
 
-def test_writer_force_replaces_an_output_it_wrote(tmp_path):
+def test_writer_force_replaces_an_output_it_wrote_but_no_file_a_user_added(tmp_path):
     out = tmp_path / "merged"
-    with CheckpointWriter(out) as writer:
-        writer.write("old", torch.ones(2))
-    (out / "stale.txt").write_text("old")  # ours (marked), so --force may replace all of it
-    with CheckpointWriter(out, force=True) as writer:
+    with CheckpointWriter(out, max_shard_bytes=8) as writer:
+        writer.write("a", torch.ones(2))
+        writer.write("b", torch.ones(2))
+    with CheckpointWriter(out, force=True) as writer:  # shards and index give way to one file
         writer.write("w", torch.ones(3))
     assert sorted(p.name for p in out.iterdir()) == [OWNER_MARKER, "model.safetensors"]
     assert leftovers(tmp_path) == []
+    (out / "stale.txt").write_text("the user's")
+    with pytest.raises(OutputRefused, match=r"merged: --force replaces only a checkpoint.*stale"):
+        CheckpointWriter(out, force=True)
+    assert (out / "stale.txt").read_text() == "the user's"
 
 
 @pytest.mark.parametrize("force", [False, True])

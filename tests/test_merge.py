@@ -1,5 +1,7 @@
 """merge_checkpoints: streamed merges checked against float64 formulas and in-memory merges."""
 
+import json
+
 import pytest
 import torch
 from checkpoint_factory import load_state_dict, make_family, write_state_dict
@@ -244,20 +246,37 @@ def test_overflow_in_output_dtype_is_an_error(tmp_path):
     assert not out.exists()
 
 
-@pytest.mark.parametrize("how", ["twice", "link", "base", "base_via_link"])
+@pytest.mark.parametrize(
+    "how",
+    ["twice", "link", "folder_and_file", "folder_and_index", "base", "base_via_link",
+     "base_folder_as_file"],
+)  # fmt: skip
 def test_a_checkpoint_given_twice_is_refused_naming_it(tmp_path, how):
-    """The same file twice (by path or through a link) would count twice; the base as a model
-    is a zero task vector: both are refused before anything is written."""
-    base = write_state_dict(BASE, tmp_path / "base.safetensors")
-    model = write_state_dict({n: t + 1 for n, t in BASE.items()}, tmp_path / "m.safetensors")
+    """The same checkpoint twice (by path, through a link, or as a folder and its weights file
+    or index) would count twice; the base as a model is a zero task vector: both are refused
+    before anything is written."""
+    for folder in ("base", "m", "sharded"):
+        (tmp_path / folder).mkdir()
+    base = write_state_dict(BASE, tmp_path / "base" / "model.safetensors")
+    model = write_state_dict(
+        {n: t + 1 for n, t in BASE.items()}, tmp_path / "m" / "model.safetensors"
+    )
+    sharded = tmp_path / "sharded"
+    write_state_dict({n: t + 2 for n, t in BASE.items()}, sharded / "model-1.safetensors")
+    index = sharded / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {name: "model-1.safetensors" for name in BASE}}))
     link = tmp_path / "link.safetensors"
     link.symlink_to(base if how == "base_via_link" else model)
-    models = {"twice": [model, model], "link": [model, link], "base": [model, base],
-              "base_via_link": [model, link]}[how]  # fmt: skip
-    fragment = "given twice as a model" if how in ("twice", "link") else "is the base"
+    models = {"twice": [model, model], "link": [model, link],
+              "folder_and_file": [model.parent, model], "folder_and_index": [sharded, index],
+              "base": [model, base], "base_via_link": [model, link],
+              "base_folder_as_file": [model, base]}[how]  # fmt: skip
+    base_given = base.parent if how == "base_folder_as_file" else base
+    twice = how in ("twice", "link", "folder_and_file", "folder_and_index")
+    fragment = "given twice as a model" if twice else "is the base"
     out = tmp_path / "out.safetensors"
     with pytest.raises(CheckpointError, match=fragment) as raised:
-        merge_checkpoints(models, base, "ties", out, progress=False)
+        merge_checkpoints(models, base_given, "ties", out, progress=False)
     assert str(models[1]) in str(raised.value)
     assert not out.exists()
 

@@ -10,9 +10,9 @@ Two writers, one rule each:
   parent folder made for it) is removed and the target is untouched.
 
 A folder this tool creates carries :data:`OWNER_MARKER`. :func:`check_output` decides whether an
-existing output may be replaced (``--force``): only one with that marker, or one that is a
-checkpoint and nothing else (:func:`is_plain_checkpoint`), never a symlink, never a path that
-holds, or lies inside, one of the run's inputs.
+existing output may be replaced (``--force``): only a checkpoint and nothing else
+(:func:`foreign_entry`; a user's file added to an output of ours keeps it), never a symlink,
+never a path that holds, or lies inside, one of the run's inputs.
 """
 
 from __future__ import annotations
@@ -28,6 +28,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from mergekit_loco.io.files import shown
+
+#: The name ending of a sharded checkpoint's index file (its shards lie in its folder).
+INDEX_SUFFIX = ".safetensors.index.json"
+#: A PEFT LoRA adapter's config file (beside ``adapter_model.safetensors``).
+ADAPTER_CONFIG = "adapter_config.json"
 
 #: The file that marks a folder as written by mergekit_loco (``--force`` may replace it).
 OWNER_MARKER = ".mloco-output.json"
@@ -97,31 +102,46 @@ def is_ours(folder: Path) -> bool:
     return real and folder.is_dir() and marker.is_file()
 
 
-def is_plain_checkpoint(path: Path) -> bool:
-    """A ``.safetensors`` file, or a folder of regular files that all belong to a checkpoint
-    (``*.safetensors``, ``*.safetensors.index.json``, config and tokenizer files) and nothing
-    else: replacing it with ``--force`` loses no other file."""
-    if path.is_symlink():
-        return False
+def foreign_entry(path: Path) -> Path | None:
+    """The first entry that keeps ``path`` from being a plain checkpoint (None when it is one): a
+    plain checkpoint is a ``.safetensors`` file, or a folder of regular files that all belong to
+    a checkpoint or a LoRA adapter (``*.safetensors``, ``*.safetensors.index.json``, config,
+    tokenizer and adapter files) and nothing else, so replacing it loses no other file."""
+    if path.is_symlink() or not (path.is_file() or path.is_dir()):
+        return path
     if path.is_file():
-        return path.suffix == ".safetensors"
-    if not path.is_dir():
-        return False
-    entries = list(path.iterdir())
-    return bool(entries) and all(
-        entry.is_file()
-        and not entry.is_symlink()
-        and (
-            entry.suffix == ".safetensors"
-            or entry.name.endswith(".safetensors.index.json")
-            or entry.name in CHECKPOINT_SIDE_FILES
-        )
-        for entry in entries
+        return None if path.suffix == ".safetensors" else path
+    entries = sorted(path.iterdir())
+    if not entries:
+        return path
+    return next(
+        (
+            entry
+            for entry in entries
+            if entry.is_symlink()
+            or not entry.is_file()
+            or not (
+                entry.suffix == ".safetensors"
+                or entry.name.endswith(INDEX_SUFFIX)
+                or entry.name in CHECKPOINT_SIDE_FILES
+                or entry.name == ADAPTER_CONFIG
+            )
+        ),
+        None,
     )
 
 
+def settled(path: Path) -> Path:
+    """``path`` with its ``..`` resolved as the kernel will once missing folders exist
+    (``new/../x`` is ``./x``, not a folder ``new`` then ``new/..``); unchanged without ``..``."""
+    if ".." not in path.parts:
+        return path
+    return path.resolve() if path.name == ".." else path.parent.resolve() / path.name
+
+
 def overlapping_input(target: Path, inputs: Iterable[str | Path | None]) -> Path | None:
-    """The first input that ``target`` is, holds, or lies inside (resolved paths), if any."""
+    """The first input that ``target`` is, holds, or lies inside (resolved paths), if any. An
+    index file stands for its folder, where its shards lie."""
     where = target.resolve()
     for given in inputs:
         if given is None:
@@ -129,6 +149,8 @@ def overlapping_input(target: Path, inputs: Iterable[str | Path | None]) -> Path
         source = Path(given).expanduser()
         if not (source.exists() or source.is_symlink()):
             continue
+        if source.name.endswith(INDEX_SUFFIX) and source.is_file():
+            source = source.parent
         resolved = source.resolve()
         if resolved.is_relative_to(where) or where.is_relative_to(resolved):
             return source
@@ -143,9 +165,12 @@ def check_output(
     """Refuse to write ``target`` unless it is free, or ``force`` and it is ours or a checkpoint.
 
     Always refused: a target that is, holds or lies inside an input (``inputs``), and a target
-    that is a symlink. Raises :class:`OutputExistsError` (exists, no ``force``) or
-    :class:`OutputRefused`, naming the path and what to do.
+    that is a symlink. ``force`` replaces only a plain checkpoint (:func:`foreign_entry`): an
+    output mloco wrote to which a user added a file is refused too. Raises
+    :class:`OutputExistsError` (exists, no ``force``) or :class:`OutputRefused`, naming the path
+    and what to do.
     """
+    target = settled(target)
     source = overlapping_input(target, inputs)
     if source is not None:
         raise OutputRefused(
@@ -164,11 +189,13 @@ def check_output(
         raise OutputExistsError(
             f"{shown(target)}: {kind} {what} exists; pass --force (force=True) to replace it"
         )
-    if not (is_ours(target) or is_plain_checkpoint(target)):
+    foreign = foreign_entry(target)
+    if foreign is not None:
+        holds = "" if foreign == target else f" (it holds {shown(foreign.name)})"
         raise OutputRefused(
-            f"{shown(target)}: --force replaces only an output mergekit_loco wrote or a "
-            f"checkpoint and nothing else, and this {what} is neither; remove it yourself or "
-            "choose another path"
+            f"{shown(target)}: --force replaces only a checkpoint (a .safetensors file, or a "
+            f"folder of checkpoint files and nothing else), and this {what} is not one{holds}; "
+            "remove it yourself or choose another path"
         )
 
 
@@ -284,7 +311,7 @@ def staged_output(
     target to be swapped out (call :func:`check_output` first). Permissions follow the umask
     (not mkdtemp's 0700).
     """
-    target = Path(target)
+    target = settled(Path(target))
     created = make_missing_dirs(target.parent)
     committed = False
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))

@@ -168,7 +168,7 @@ def parse_entry(file: Path, name: str, info: object, data_start: int) -> TensorE
         raise CheckpointError(f"{label} has an unknown dtype")
     dtype = SAFETENSORS_DTYPES[dtype_name]
     numel = math.prod(shape)
-    if numel >= MAX_NUMEL:
+    if math.prod(size for size in shape if size) >= MAX_NUMEL:  # torch multiplies every size
         raise CheckpointError(f"{label} has a shape whose product overflows")
     begin, end = offsets
     if end - begin != numel * dtype.itemsize:
@@ -336,7 +336,7 @@ def open_checkpoint(path: str | Path) -> CheckpointReader:
                     file = inside(path, name, name)
                 except UnsafeInputError as error:
                     raise CheckpointError(str(error)) from None
-                return CheckpointReader(path, file, read(file))
+                return with_tensors(CheckpointReader(path, file, read(file)))
         found = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
         hint = f" (found {shown(found[0])}: convert it to safetensors first)" if found else ""
         raise CheckpointError(
@@ -350,5 +350,13 @@ def open_checkpoint(path: str | Path) -> CheckpointReader:
             "convert it to safetensors"
         )
     if path.name.endswith(".index.json"):
-        return CheckpointReader(path, path, read_index(path))
-    return CheckpointReader(path, path, read_header(path))
+        return with_tensors(CheckpointReader(path, path, read_index(path)))
+    return with_tensors(CheckpointReader(path, path, read_header(path)))
+
+
+def with_tensors(reader: CheckpointReader) -> CheckpointReader:
+    """``reader``, refused when its checkpoint holds no tensor (a merge of it would write an
+    empty model and call it done)."""
+    if not len(reader):
+        raise CheckpointError(f"{shown(reader.path)}: holds no tensors")
+    return reader
