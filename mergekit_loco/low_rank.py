@@ -33,6 +33,7 @@ from mergekit_loco.io.lora import (
     write_lora_adapter,
 )
 from mergekit_loco.linalg import numerical_rank, thin_svd
+from mergekit_loco.merge_checks import check_distinct
 from mergekit_loco.methods import MergeMethod
 from mergekit_loco.methods.base import is_matrix_shape, task_weights
 from mergekit_loco.methods.iso import IsoC
@@ -115,6 +116,31 @@ def merge_from_factors(
     return (singular[:rank].mean() * (u[:, :rank] @ vh[:rank])).to(dtype)
 
 
+def product_is_finite(left: torch.Tensor, right: torch.Tensor) -> bool:
+    """Whether ``left @ right`` (m x r @ r x n) is finite in ``left``'s dtype. The m x n product
+    is formed only when the bound ``|(L R)_ij| <= |L_i| |R_:j|`` (Cauchy-Schwarz, over rows of L
+    and columns of R) does not rule out overflow."""
+    row_norms = torch.linalg.vector_norm(left.double(), dim=1)
+    column_norms = torch.linalg.vector_norm(right.double(), dim=0)
+    bound = row_norms.max() * column_norms.max()
+    return bool(bound <= torch.finfo(left.dtype).max) or bool((left @ right).isfinite().all())
+
+
+def check_same_shapes(adapters: Sequence[LoraAdapter]) -> None:
+    """Adapters that adapt one tensor give deltas of one shape (B rows, A columns); raises
+    :class:`CheckpointError` naming both adapters."""
+    first: dict[str, LoraAdapter] = {}
+    for adapter in adapters:
+        for name in adapter.targets():
+            other = first.setdefault(name, adapter)
+            if other.delta_shape(name) != adapter.delta_shape(name):
+                raise CheckpointError(
+                    f"{adapter.path}: {name!r}: its delta has shape "
+                    f"{list(adapter.delta_shape(name))} but {other.path} gives "
+                    f"{list(other.delta_shape(name))}"
+                )
+
+
 def merge_to_lora(
     adapter_paths: Sequence[str | Path],
     method: MergeMethod,
@@ -130,11 +156,16 @@ def merge_to_lora(
     weights; for ``mean`` divided by their sum). The adapter's rank per module is the sum of the
     ranks that adapt it (``r`` the most common, others in ``rank_pattern``) and ``lora_alpha``
     equals it, so its scaling is 1. ``base``, if given, is checked against every adapter.
+    Each adapter counts once; a module's deltas must share their shape and the merged factors
+    must be finite (else :class:`CheckpointError`, nothing written).
     """
     if not isinstance(method, Mean | TaskArithmetic):
         raise ValueError(
             f"--lora-output: only ta and mean of adapters are low-rank, not {method.name}"
         )
+    if not (isinstance(scale, int | float) and abs(scale) <= torch.finfo(torch.float32).max):
+        raise ValueError(f"--scale: {scale!r} is not a finite number in float32")
+    check_distinct([Path(path) for path in adapter_paths], Path(base) if base is not None else None)
     with ExitStack() as stack:
         adapters = []
         for path in adapter_paths:
@@ -147,6 +178,7 @@ def merge_to_lora(
             base_reader = stack.enter_context(open_checkpoint(base))
             for adapter in adapters:
                 adapter.check_against(base_reader)
+        check_same_shapes(adapters)
         count = len(adapters)
         weights = task_weights(method.name, method.weights, count) or (1.0,) * count
         if isinstance(method, Mean):
@@ -158,11 +190,15 @@ def merge_to_lora(
             factors = [(a.factors(name, torch.float32), w) for a, w in used]
             module = name.removesuffix(".weight")
             key = f"{KEY_PREFIX}{module}"
-            tensors[f"{key}.lora_B.weight"] = torch.cat(
-                [b * (scale * w) for (b, _), w in factors], 1
-            )
-            tensors[f"{key}.lora_A.weight"] = torch.cat([a for (_, a), _ in factors], 0)
-            ranks[module] = tensors[f"{key}.lora_A.weight"].shape[0]
+            lora_b = torch.cat([b * (scale * w) for (b, _), w in factors], 1)
+            lora_a = torch.cat([a for (_, a), _ in factors], 0)
+            if not product_is_finite(lora_b, lora_a):
+                raise CheckpointError(
+                    f"--lora-output: the merged delta of {name!r} is not finite in float32 "
+                    "(overflow? lower --scale or the weights)"
+                )
+            tensors[f"{key}.lora_B.weight"], tensors[f"{key}.lora_A.weight"] = lora_b, lora_a
+            ranks[module] = lora_a.shape[0]
         rank = Counter(ranks.values()).most_common(1)[0][0]
         pattern = {module: r for module, r in ranks.items() if r != rank}
         config = adapters[0].config | {

@@ -24,11 +24,18 @@ mloco's own method names (``mean``, ``ta``, ``ties``, ``dare``, ``breadcrumbs``,
 method's parameters, per-model ``weight`` goes to methods that take weights, ``lambda`` is
 ``--scale``. Anything mergekit has that mloco does not (slices, tokenizer options, layer-wise
 parameter gradients, other methods, options like ``rescale`` on TIES) is an error naming it.
+
+The file is read as hostile (:func:`read_yaml`): at most 1 MiB, nesting at most
+``MAX_CONFIG_DEPTH`` deep, at most ``MAX_CONFIG_NODES`` values once YAML aliases are expanded
+(so an alias bomb is refused, not expanded), string keys only, no key given twice, and YAML
+1.2's floats (``1e-3``) read as numbers. Messages show values through :func:`bounded`.
 """
 
 from __future__ import annotations
 
 import math
+import re
+import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,6 +70,17 @@ PER_MODEL = ("weight", "density", "gamma")
 TOP_LEVEL_KEYS = {"merge_method", "base_model", "models", "parameters", "dtype", "out_dtype"}
 UNSUPPORTED_TOP_LEVEL = {"slices", "modules", "tokenizer_source", "tokenizer", "chat_template"}
 MAX_CONFIG_BYTES = 2**20
+#: bounds on the tree a config is: values (an aliased one counted each time it is used), depth
+MAX_CONFIG_NODES = 100_000
+MAX_CONFIG_DEPTH = 32
+#: YAML 1.2's floats with an exponent (``1e-3``, ``1E5``, ``.5e1``), strings to YAML 1.1
+YAML12_FLOAT = re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$")
+STR_TAG = "tag:yaml.org,2002:str"
+MERGE_TAG = "tag:yaml.org,2002:merge"
+#: how messages show a value from the file: one level deep, a few items, short strings
+SHOWN = reprlib.Repr()
+SHOWN.maxlevel, SHOWN.maxlist, SHOWN.maxtuple, SHOWN.maxdict = 1, 3, 3, 3
+SHOWN.maxstring = SHOWN.maxother = 24
 DTYPES = {
     "float32": torch.float32,
     "float64": torch.float64,
@@ -88,13 +106,104 @@ class ConfiguredMerge:
     dtype: torch.dtype | None = None
 
 
+def bounded(value: object) -> str:
+    """``value`` for a one-line message in a few dozen characters: an abridged repr (a big list,
+    mapping or string is cut, never expanded; a big integer is described by its size)."""
+    return brief(value) if isinstance(value, int) else SHOWN.repr(value)
+
+
+class ConfigLoader(yaml.SafeLoader):
+    """PyYAML's safe loader for a file from a stranger: nesting at most ``MAX_CONFIG_DEPTH``
+    deep, every mapping key a string given once, merge keys (``<<``) bounded, YAML 1.2 floats."""
+
+    def __init__(self, text: str, path: Path) -> None:
+        super().__init__(text)
+        self.path = path
+        self.depth = 0
+        self.merged = 0  # mapping entries flattened, merged ones counted each time
+        self.checked: set[yaml.MappingNode] = set()
+
+    def compose_node(self, parent: yaml.Node | None, index: object) -> yaml.Node:
+        """The next node, refused deeper than ``MAX_CONFIG_DEPTH`` (before Python's recursion
+        limit is reached)."""
+        self.depth += 1
+        if self.depth > MAX_CONFIG_DEPTH:
+            line = self.peek_event().start_mark.line + 1
+            raise MergeConfigError(
+                f"{self.path}: line {line}: nested more than {MAX_CONFIG_DEPTH} levels deep"
+            )
+        node = super().compose_node(parent, index)
+        self.depth -= 1
+        return node
+
+    def flatten_mapping(self, node: yaml.MappingNode) -> None:
+        """``node``'s entries with merge keys applied, once its own keys are checked (strings,
+        none twice; a merged-in key may be overridden, as YAML has it); at most
+        ``MAX_CONFIG_NODES`` entries in all, so merging one alias many times cannot hang."""
+        if node not in self.checked:
+            self.checked.add(node)
+            seen = set()
+            for key, _ in node.value:
+                if key.tag == MERGE_TAG:
+                    continue
+                line = key.start_mark.line + 1
+                if not isinstance(key, yaml.ScalarNode) or key.tag != STR_TAG:
+                    shown_key = bounded(self.construct_object(key, deep=True))
+                    raise MergeConfigError(
+                        f"{self.path}: line {line}: key {shown_key} is not a string "
+                        "(every mapping key must be)"
+                    )
+                if key.value in seen:
+                    raise MergeConfigError(
+                        f"{self.path}: line {line}: key {bounded(key.value)} appears twice"
+                    )
+                seen.add(key.value)
+        super().flatten_mapping(node)
+        self.merged += len(node.value)
+        if self.merged > MAX_CONFIG_NODES:
+            raise MergeConfigError(too_big(self.path))
+
+
+ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:float", YAML12_FLOAT, list("-+.0123456789"))
+
+
+def too_big(path: Path) -> str:
+    """The message for a document over ``MAX_CONFIG_NODES`` values."""
+    return f"{path}: more than {MAX_CONFIG_NODES} values once YAML aliases are expanded; refused"
+
+
+def check_size(path: Path, config: object) -> None:
+    """Refuse a document whose tree (an aliased value counted each time it is reached) has
+    more than ``MAX_CONFIG_NODES`` values or is nested more than ``MAX_CONFIG_DEPTH`` deep (as
+    a cyclic alias is); stops at the first bound passed, so a bomb costs no more than that."""
+    count, stack = 1, [(config, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_CONFIG_DEPTH:
+            raise MergeConfigError(f"{path}: nested more than {MAX_CONFIG_DEPTH} levels deep")
+        if isinstance(value, dict | list | tuple):
+            children = value.values() if isinstance(value, dict) else value
+            count += len(children)
+            if count > MAX_CONFIG_NODES:
+                raise MergeConfigError(too_big(path))
+            stack.extend((child, depth + 1) for child in children)
+
+
 def read_yaml(path: Path) -> dict:
+    """The mapping in the YAML file ``path``, read as hostile (:class:`ConfigLoader`,
+    :func:`check_size`): every fault is a :class:`MergeConfigError` naming the file."""
     text = read_limited(path, MAX_CONFIG_BYTES, "merge config")  # a regular file, bounded
+    loader = ConfigLoader(text, path)
     try:
-        config = yaml.safe_load(text)
+        config = loader.get_single_data()
+    except MergeConfigError:
+        raise
     except (yaml.YAMLError, ValueError) as error:  # ValueError: an int over 4300 digits
         cause = str(error).replace("\n", " ")[:200]
         raise MergeConfigError(f"{path}: not valid YAML ({cause})") from None
+    finally:
+        loader.dispose()
+    check_size(path, config)
     if not isinstance(config, dict):
         raise MergeConfigError(f"{path}: expected a mapping with merge_method and models")
     return config
@@ -104,7 +213,7 @@ def scalar(path: Path, where: str, key: str, value: object) -> object:
     """A plain value; mergekit's layer-wise forms (lists, filter mappings) are refused."""
     if isinstance(value, list | dict):
         raise MergeConfigError(
-            f"{path}: {where} parameter {key!r}: layer-wise gradients and filters "
+            f"{path}: {where} parameter {bounded(key)}: layer-wise gradients and filters "
             f"({type(value).__name__}) are not supported; give one number"
         )
     return value
@@ -118,12 +227,12 @@ def number(path: Path, key: str, value: object) -> float:
                 return float(value)
         except OverflowError:
             pass
-    raise MergeConfigError(f"{path}: {key} must be a finite number, not {brief(value)}")
+    raise MergeConfigError(f"{path}: {key} must be a finite number, not {bounded(value)}")
 
 
 def parse_dtype(path: Path, key: str, value: object) -> torch.dtype:
     if not isinstance(value, str) or value not in DTYPES:
-        raise MergeConfigError(f"{path}: {key} {value!r} is not one of {', '.join(DTYPES)}")
+        raise MergeConfigError(f"{path}: {key} {bounded(value)} is not one of {', '.join(DTYPES)}")
     return DTYPES[value]
 
 
@@ -140,11 +249,13 @@ def model_entries(path: Path, config: dict) -> list[tuple[Path, dict]]:
             raise MergeConfigError(f"{path}: models[{index}] needs 'model: PATH'")
         unknown = sorted(set(entry) - {"model", "parameters"})
         if unknown:
-            raise MergeConfigError(f"{path}: models[{index}]: key {unknown[0]!r} is not supported")
+            raise MergeConfigError(
+                f"{path}: models[{index}]: key {bounded(unknown[0])} is not supported"
+            )
         if "+" in entry["model"]:
             raise MergeConfigError(
-                f"{path}: models[{index}] {entry['model']!r}: mergekit's MODEL+LORA syntax is not "
-                "supported; merge LoRA adapters with `mloco merge ADAPTER ... --base BASE`"
+                f"{path}: models[{index}] {bounded(entry['model'])}: mergekit's MODEL+LORA syntax "
+                "is not supported; merge LoRA adapters with `mloco merge ADAPTER ... --base BASE`"
             )
         parameters = entry.get("parameters") or {}
         where = f"models[{index}] ({entry['model']})"
@@ -177,7 +288,7 @@ def check_known(path: Path, method: str, entries: list, shared: dict, known: set
     for key in shared:
         if key not in known:
             raise MergeConfigError(
-                f"{path}: parameter {key!r} of {method!r} is not supported by mloco "
+                f"{path}: parameter {bounded(key)} of {method!r} is not supported by mloco "
                 f"(supported: {', '.join(sorted(known))})"
             )
     per_model_known = [key for key in PER_MODEL if key in known]
@@ -185,7 +296,7 @@ def check_known(path: Path, method: str, entries: list, shared: dict, known: set
         for key in parameters:
             if key not in per_model_known:
                 raise MergeConfigError(
-                    f"{path}: {model}: per-model parameter {key!r} of {method!r} is not "
+                    f"{path}: {model}: per-model parameter {bounded(key)} of {method!r} is not "
                     f"supported by mloco (per model: {', '.join(per_model_known)})"
                 )
 
@@ -202,7 +313,7 @@ def shared_method(path: Path, method: str, entries: list, shared: dict, base) ->
     for flag in ("normalize", "rescale"):
         if flag in settings and not isinstance(settings[flag], bool):
             raise MergeConfigError(
-                f"{path}: {flag} must be true or false, not {brief(settings[flag])}"
+                f"{path}: {flag} must be true or false, not {bounded(settings[flag])}"
             )
     weights = per_model(path, "weight", entries, shared, {})
     if weights is None:
@@ -241,7 +352,7 @@ def shared_method(path: Path, method: str, entries: list, shared: dict, base) ->
         seed = settings["seed"]
         if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
             raise MergeConfigError(
-                f"{path}: seed must be an integer in [0, 2**63), not {brief(seed)}"
+                f"{path}: seed must be an integer in [0, 2**63), not {bounded(seed)}"
             )
         params["seed"] = seed
         params["consensus"] = method == "dare_ties"
@@ -255,7 +366,7 @@ def own_method(path: Path, method: str, entries: list, shared: dict) -> tuple:
     for key in shared:
         if key not in known:
             raise MergeConfigError(
-                f"{path}: parameter {key!r}: method {method!r} takes "
+                f"{path}: parameter {bounded(key)}: method {method!r} takes "
                 f"{', '.join(sorted(fields)) or 'no parameters'} (and lambda)"
             )
     params = {key: value for key, value in shared.items() if key in fields}
@@ -264,7 +375,7 @@ def own_method(path: Path, method: str, entries: list, shared: dict) -> tuple:
         unknown = sorted(set(parameters) - {"weight"})
         if unknown:
             raise MergeConfigError(
-                f"{path}: {model}: per-model parameter {unknown[0]!r} is not supported for "
+                f"{path}: {model}: per-model parameter {bounded(unknown[0])} is not supported for "
                 f"{method!r} (per model: weight)"
             )
     if weights is not None and any(weight != 1.0 for weight in weights):
@@ -282,16 +393,17 @@ def load_merge_config(path: str | Path) -> ConfiguredMerge:
         if key in UNSUPPORTED_TOP_LEVEL:
             raise MergeConfigError(f"{path}: {key!r} is not supported by mloco")
         if key not in TOP_LEVEL_KEYS:
-            raise MergeConfigError(
-                f"{path}: unknown key {key!r} (expected: {', '.join(sorted(TOP_LEVEL_KEYS))})"
-            )
+            expected = ", ".join(sorted(TOP_LEVEL_KEYS))
+            raise MergeConfigError(f"{path}: unknown key {bounded(key)} (expected: {expected})")
     method = config.get("merge_method")
     if not isinstance(method, str) or (method not in SHARED_METHODS and method not in METHODS):
         names = ", ".join([*SHARED_METHODS, *METHODS])
-        raise MergeConfigError(f"{path}: merge_method {method!r} is not supported (use: {names})")
+        raise MergeConfigError(
+            f"{path}: merge_method {bounded(method)} is not supported (use: {names})"
+        )
     base_model = config.get("base_model")
     if base_model is not None and not isinstance(base_model, str):
-        raise MergeConfigError(f"{path}: base_model must be a path, not {brief(base_model)}")
+        raise MergeConfigError(f"{path}: base_model must be a path, not {bounded(base_model)}")
     base = Path(base_model) if base_model is not None else None
     entries = model_entries(path, config)
     if base is not None and method != "linear":

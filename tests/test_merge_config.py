@@ -4,10 +4,12 @@ mergekit's formulas written out here in float64, and mloco's own method names.""
 from __future__ import annotations
 
 import re
+import time
 
 import numpy as np
 import pytest
 import torch
+import yaml
 from checkpoint_factory import load_state_dict, write_state_dict
 from test_cli_merge import REPO, assert_one_line_error, run_main
 
@@ -328,3 +330,144 @@ def test_the_base_listed_among_models_through_another_path_is_skipped(family, tm
         f"  - model: {family['ft1']}\n    parameters: {{weight: 1, density: 0.5}}\n"
     )
     assert load_merge_config(config).models == [family["ft1"]]
+
+
+# -- hostile YAML ---------------------------------------------------------------------------------
+def config_error(capsys, tmp_path, text: str) -> tuple[str, str]:
+    """(the config file, the one error line) of ``mloco merge --config`` on ``text``."""
+    config = tmp_path / "merge.yml"
+    config.write_text(text)
+    code, _, err = run_main(capsys, "merge", "--config", config, "-o", tmp_path / "out")
+    assert code == 2
+    assert_one_line_error(err, str(config))
+    assert not (tmp_path / "out").exists()
+    return str(config), err.strip()
+
+
+def alias_bomb(levels: int = 9) -> str:
+    """A flow list whose aliases expand to 10**levels strings (a "billion laughs")."""
+    nested = ['&l0 ["x", "x", "x", "x", "x", "x", "x", "x", "x", "x"]']
+    nested += [f"&l{i} [{', '.join([f'*l{i - 1}'] * 10)}]" for i in range(1, levels)]
+    return f"[{', '.join(nested)}]"
+
+
+@pytest.mark.parametrize("key", ["base_model", "merge_method", "dtype", "out_dtype", "extra"])
+def test_a_yaml_alias_bomb_is_refused_before_anything_expands_it(family, tmp_path, capsys, key):
+    """Values are counted as a tree (each alias every time it is reached) up to a cap, so the
+    error messages that show the value never expand a billion strings."""
+    lines = {
+        "merge_method": "ties",
+        "base_model": str(family["base"]),
+        "models": f"[{{model: {family['ft1']}, parameters: {{weight: 1}}}}]",
+        key: alias_bomb(),
+    }
+    started = time.process_time()
+    config, line = config_error(capsys, tmp_path, "".join(f"{k}: {v}\n" for k, v in lines.items()))
+    assert time.process_time() - started < 0.5
+    assert (
+        line == f"error: {config}: more than 100000 values once YAML aliases are expanded; refused"
+    )
+
+
+def test_a_yaml_merge_key_bomb_is_refused(tmp_path, capsys):
+    """``<<: [*b, *b, ...]`` merges one big mapping many times: counted, refused early."""
+    keys = ", ".join(f"k{index}: 1" for index in range(2000))
+    text = f"b: &b {{{keys}}}\nc: {{<<: [{', '.join(['*b'] * 2000)}]}}\n"  # 4M entries merged
+    started = time.process_time()
+    config, line = config_error(capsys, tmp_path, text)
+    assert time.process_time() - started < 0.5
+    assert (
+        line == f"error: {config}: more than 100000 values once YAML aliases are expanded; refused"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        ("merge_method: " + "[" * 50_000 + "]" * 50_000 + "\n", "line 1: "),
+        ("merge_method: " + "{a: " * 50_000 + "1" + "}" * 50_000 + "\n", "line 1: "),
+        ("merge_method: ta\nparameters: &p {lambda: *p}\n", ""),  # a cycle: infinitely deep
+        ("merge_method: ta\nmodels: &m [*m]\n", ""),
+    ],
+)
+def test_deep_nesting_is_refused_without_a_recursion_error(tmp_path, capsys, text, where):
+    config, line = config_error(capsys, tmp_path, text)
+    assert line == f"error: {config}: {where}nested more than 32 levels deep"
+
+
+@pytest.mark.parametrize(
+    ("entry", "line_number"),
+    [
+        ("{model: m.safetensors, 1: x, foo: y}", 2),
+        ("{model: m.safetensors, parameters: {1: 2, foo: 3}}", 2),
+        ("{model: m.safetensors, parameters: {<<: {null: 2}, foo: 3}}", 2),
+    ],
+)
+def test_a_mapping_key_that_is_not_a_string_is_named(tmp_path, capsys, entry, line_number):
+    config, line = config_error(capsys, tmp_path, f"merge_method: ta\nmodels: [{entry}]\n")
+    key = "None" if "null" in entry else "1"
+    assert line == (
+        f"error: {config}: line {line_number}: key {key} is not a string "
+        "(every mapping key must be)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "line_number"),
+    [
+        ("merge_method: ta\nmerge_method: mean\nmodels: [a]\n", "merge_method", 2),
+        (
+            "merge_method: ties\nmodels:\n  - model: a\n    parameters: {weight: 1, weight: 0}\n",
+            "weight",
+            4,
+        ),
+        ("merge_method: ta\n'models': [a]\nmodels: [b]\n", "models", 3),
+    ],
+)
+def test_a_key_given_twice_is_refused(tmp_path, capsys, text, key, line_number):
+    """As the JSON readers do: the last value never silently wins."""
+    config, line = config_error(capsys, tmp_path, text)
+    assert line == f"error: {config}: line {line_number}: key {key!r} appears twice"
+
+
+def test_a_merge_key_may_be_overridden(family, tmp_path):
+    """YAML's ``<<`` merge is not a key given twice: the mapping's own key wins."""
+    config = tmp_path / "merge.yml"
+    config.write_text(
+        f"merge_method: task_arithmetic\nbase_model: {family['base']}\n"
+        f"models: [{{model: {family['ft1']}, parameters: &p {{weight: 1}}}},\n"
+        f"  {{model: {family['ft2']}, parameters: {{<<: *p, weight: 3}}}}]\n"
+    )
+    assert load_merge_config(config).params["weights"] == (1.0, 3.0)
+
+
+@pytest.mark.parametrize(("written", "value"), [("1e-3", 1e-3), ("2E-1", 0.2), (".5", 0.5)])
+def test_yaml_1_2_floats_are_numbers(family, tmp_path, capsys, written, value):
+    """``lambda: 1e-3`` is a number, as mergekit reads it (YAML 1.1 would make it a string);
+    yaml.safe_load itself is left as it is."""
+    config = tmp_path / "merge.yml"
+    config.write_text(
+        f"merge_method: task_arithmetic\ndtype: float64\nbase_model: {family['base']}\n"
+        f"models: [{{model: {family['ft1']}, parameters: {{weight: 1}}}}]\n"
+        f"parameters: {{lambda: {written}}}\n"
+    )
+    merged = merge_with_config(capsys, config, tmp_path / "out.safetensors")
+    base, tuned = states(family, "base", "ft1")
+    assert_all_close(merged, {n: theta + value * (tuned[n] - theta) for n, theta in base.items()})
+    assert yaml.safe_load("lambda: 1e-3") == {"lambda": "1e-3"}
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        (
+            "[" + ", ".join(["x" * 1000] * 500) + "]",
+            "['xxxxxxxxx...xxxxxxxxxx', 'xxxxxxxxx...xxxxxxxxxx', 'xxxxxxxxx...xxxxxxxxxx', ...]",
+        ),
+        ("{a: [[1]], b: 2, c: 3, d: 4}", "{'a': [...], 'b': 2, 'c': 3, ...}"),
+        ("y" * 100_000, "'yyyyyyyyy...yyyyyyyyyy'"),
+    ],
+)
+def test_error_messages_show_a_big_value_cut_short(tmp_path, capsys, value, shown):
+    config, line = config_error(capsys, tmp_path, f"merge_method: {value}\nmodels: [a]\n")
+    assert line.startswith(f"error: {config}: merge_method {shown} is not supported (use: ")

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from checkpoint_factory import load_state_dict, save_model, tiny_llama, write_state_dict
-from test_cli_merge import assert_one_line_error, run_main
+from test_cli_merge import assert_one_line_error, run_main, temp_leftovers
 from test_ties_threshold import reference_ties
 
 from mergekit_loco.low_rank import LowRankDelta, low_rank_svd
@@ -306,3 +306,136 @@ def test_lora_output_of_other_methods_is_an_error(adapters, tmp_path, capsys):
     )
     assert code == 2
     assert_one_line_error(err, "--lora-output", "only ta and mean", "iso-c")
+
+
+# Hostile adapters: each is refused in one line naming the file and tensor, nothing written.
+
+LORA_A = "base_model.model.a.lora_A.weight"
+LORA_B = "base_model.model.a.lora_B.weight"
+#: factors of a delta of the tiny base's ``a.weight`` (4 x 3), rank 2
+FACTORS = {LORA_A: torch.ones(2, 3), LORA_B: torch.ones(4, 2)}
+
+
+@pytest.fixture(scope="module")
+def tiny_base(tmp_path_factory):
+    """A base file with float ``a.weight`` (4 x 3) and integer ``counts.weight`` (4 x 3)."""
+    file = tmp_path_factory.mktemp("tiny") / "base.safetensors"
+    state = {"a.weight": torch.zeros(4, 3), "counts.weight": torch.zeros(4, 3, dtype=torch.int64)}
+    return write_state_dict(state, file)
+
+
+def write_factors(folder, tensors, **config):
+    """An adapter folder holding ``tensors`` as given, with r 2 and lora_alpha 4 by default."""
+    folder.mkdir()
+    write_state_dict(tensors, folder / "adapter_model.safetensors")
+    settings = {"peft_type": "LORA", "r": 2, "lora_alpha": 4} | config
+    (folder / "adapter_config.json").write_text(json.dumps(settings))
+    return folder
+
+
+def assert_refused(capsys, out, args, *fragments) -> None:
+    """``mloco merge ARGS -o OUT`` exits 2 with one error line holding ``fragments`` and leaves
+    nothing at OUT (nor a staging leftover beside it)."""
+    code, _, err = run_main(capsys, "merge", *args, "-o", out, "--quiet")
+    assert code == 2, err
+    assert_one_line_error(err, *fragments)
+    assert not out.exists() and not temp_leftovers(out.parent)
+
+
+def assert_refused_by_both(capsys, tmp_path, models, base, *fragments) -> None:
+    """The dense merge onto ``base`` and ``--lora-output`` (with and without ``base``) refuse."""
+    dense = [*models, "--base", base, "-m", "ta"]
+    assert_refused(capsys, tmp_path / "dense.safetensors", dense, *fragments)
+    for extra in ([], ["--base", base]):
+        lora = [*models, "-m", "ta", "--lora-output", *extra]
+        assert_refused(capsys, tmp_path / "adapter", lora, *fragments)
+
+
+@pytest.mark.parametrize(
+    ("tensors", "config", "key", "fragments"),
+    [
+        ({LORA_A: torch.ones(6), LORA_B: torch.ones(4, 2)}, {}, LORA_A, ["must be a non-empty"]),
+        ({**FACTORS, LORA_A: torch.ones(2, 3, 1)}, {}, LORA_A, ["floating-point matrix"]),
+        ({**FACTORS, LORA_B: torch.tensor(1.0)}, {}, LORA_B, ["shape []", "matrix"]),
+        ({**FACTORS, LORA_A: torch.ones(0, 3)}, {}, LORA_A, ["shape [0, 3]", "matrix"]),
+        ({**FACTORS, LORA_A: torch.ones(2, 3, dtype=torch.int64)}, {}, LORA_A, ["torch.int64"]),
+        ({**FACTORS, LORA_A: torch.ones(3, 3)}, {}, "'a.weight'", ["factors' ranks differ"]),
+        ({**FACTORS, LORA_A: torch.full((2, 3), math.nan)}, {}, LORA_A, ["contains NaN"]),
+        ({**FACTORS, LORA_B: torch.full((4, 2), -math.inf)}, {}, LORA_B, ["contains Inf"]),
+        (FACTORS, {"lora_alpha": 1e308}, LORA_B, ["times its scaling 5e+307 overflows"]),
+        ({**FACTORS, "a.lora_A.weight": torch.ones(2, 3)}, {}, LORA_A, ["'a.lora_A.weight'"]),
+        ({}, {}, "holds no LoRA factors", []),
+    ],
+    ids=["1-d", "3-d", "0-d", "empty", "int", "ranks", "nan", "inf", "alpha", "two-names", "none"],
+)
+def test_bad_factors_are_refused_naming_the_file_and_tensor(
+    tiny_base, tmp_path, capsys, tensors, config, key, fragments
+):
+    """Factors that are not finite floating-point matrices of one rank, a module's factor under
+    two names (``base_model.model.a`` and ``a``) and an adapter without factors are refused by
+    the dense merge and by --lora-output alike, never merged in part or written."""
+    folder = write_factors(tmp_path / "bad", tensors, **config)
+    file = str(folder / "adapter_model.safetensors")
+    assert_refused_by_both(capsys, tmp_path, [folder], tiny_base, file, key, *fragments)
+
+
+@pytest.mark.parametrize("file_name", ["adapter_config.json", "adapter_model.safetensors"])
+def test_adapter_files_linked_from_outside_are_refused(tiny_base, tmp_path, capsys, file_name):
+    folder = write_factors(tmp_path / "linked", FACTORS)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (folder / file_name).rename(elsewhere / file_name)
+    (folder / file_name).symlink_to(elsewhere / file_name)
+    fragments = [str(folder / file_name), "symlink leading outside", str(folder)]
+    assert_refused_by_both(capsys, tmp_path, [folder], tiny_base, *fragments)
+
+
+def test_an_adapter_of_an_integer_base_tensor_is_refused(tiny_base, tmp_path, capsys):
+    """Integer tensors are copied from the base, so their LoRA delta would be dropped."""
+    tensors = {key.replace(".a.", ".counts."): factor for key, factor in FACTORS.items()}
+    folder = write_factors(tmp_path / "ints", tensors)
+    fragments = [str(tiny_base), "'counts.weight' is torch.int64", str(folder), "floating-point"]
+    dense = [folder, "--base", tiny_base, "-m", "ta"]
+    assert_refused(capsys, tmp_path / "dense.safetensors", dense, *fragments)
+    lora = [folder, "--base", tiny_base, "-m", "ta", "--lora-output"]
+    assert_refused(capsys, tmp_path / "adapter", lora, *fragments)
+
+
+def test_lora_output_refuses_a_repeated_adapter(tmp_path, capsys):
+    folder = write_factors(tmp_path / "once", FACTORS)
+    args = [folder, folder, "-m", "ta", "--lora-output"]
+    assert_refused(capsys, tmp_path / "adapter", args, str(folder), "given twice")
+    (tmp_path / "alias").symlink_to(folder)
+    args = [folder, tmp_path / "alias", "-m", "ta", "--lora-output"]
+    assert_refused(capsys, tmp_path / "adapter", args, "alias", "given twice", f"(as {folder})")
+
+
+@pytest.mark.parametrize(
+    ("factor", "fragments"),
+    [
+        ({LORA_A: torch.ones(2, 5)}, ["delta has shape [4, 5]", "gives [4, 3]"]),
+        ({LORA_B: torch.ones(5, 2)}, ["delta has shape [5, 3]", "gives [4, 3]"]),
+    ],
+    ids=["A", "B"],
+)
+def test_lora_output_refuses_adapters_of_different_shapes(tmp_path, capsys, factor, fragments):
+    first = write_factors(tmp_path / "first", FACTORS)
+    other = write_factors(tmp_path / "other", FACTORS | factor)
+    args = [first, other, "-m", "ta", "--lora-output"]
+    fragments = [str(other), "'a.weight'", *fragments, str(first)]
+    assert_refused(capsys, tmp_path / "adapter", args, *fragments)
+
+
+@pytest.mark.parametrize(
+    ("scale", "fragments"),
+    [
+        ("nan", ["--scale", "nan is not a finite number"]),
+        ("inf", ["--scale", "inf is not a finite number"]),
+        ("1e38", ["merged delta of 'a.weight' is not finite in float32"]),  # 2e38 * 2 overflows
+    ],
+    ids=["nan", "inf", "overflow"],
+)
+def test_lora_output_refuses_a_non_finite_result(tmp_path, capsys, scale, fragments):
+    folder = write_factors(tmp_path / "ok", FACTORS)
+    args = [folder, "-m", "ta", "--scale", scale, "--lora-output"]
+    assert_refused(capsys, tmp_path / "adapter", args, *fragments)

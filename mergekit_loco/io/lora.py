@@ -5,7 +5,9 @@ adapted linear layer ``M``, ``base_model.model.M.lora_A.weight`` (r x in) and
 ``base_model.model.M.lora_B.weight`` (out x r); it adapts the base tensor ``M.weight``.
 ``scaling = lora_alpha / r`` (``lora_alpha / sqrt(r)`` with ``use_rslora``). Options that are not
 a plain low-rank delta of a weight (DoRA, trained biases, saved full modules, embedding LoRA,
-``fan_in_fan_out``) are refused with the option named.
+``fan_in_fan_out``) are refused with the option named. So is an adapter whose factors are not
+finite floating-point matrices of matching rank, that names one factor twice, holds none, or
+whose files are symlinks leading outside its folder.
 """
 
 from __future__ import annotations
@@ -18,11 +20,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from mergekit_loco.io.atomic import check_output, staged_output
-from mergekit_loco.io.files import read_json, shown
+from mergekit_loco.io.atomic import ADAPTER_CONFIG, check_output, staged_output
+from mergekit_loco.io.files import inside, read_json, shown
 from mergekit_loco.io.reader import CheckpointError, CheckpointReader, read_header
 
-ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 KEY_PREFIX = "base_model.model."
 
@@ -64,7 +65,8 @@ def _check_settings(file: Path, config: dict) -> None:
 
 
 def read_adapter_config(folder: Path) -> dict:
-    file = folder / ADAPTER_CONFIG
+    """``adapter_config.json`` of ``folder``, its unsupported options and bad settings refused."""
+    file = inside(folder, ADAPTER_CONFIG, ADAPTER_CONFIG)  # no symlink out of the folder
     config = read_json(file, "adapter config")  # a regular file, strict JSON, bounded
     if not isinstance(config, dict):
         raise CheckpointError(f"{shown(file)}: must hold a JSON object")
@@ -99,16 +101,21 @@ class LoraAdapter:
             found = sorted(p.name for p in self.path.glob("adapter_model.*"))
             hint = f" (found {found[0]}: convert it to safetensors)" if found else ""
             raise CheckpointError(f"{self.path}: no {ADAPTER_WEIGHTS}{hint}")
+        weights = inside(self.path, ADAPTER_WEIGHTS, ADAPTER_WEIGHTS)
         self.config = config
         self._reader = CheckpointReader(self.path, weights, read_header(weights))
         self._modules = self._pair_factors(weights)
+        if not self._modules:
+            raise CheckpointError(f"{shown(weights)}: holds no LoRA factors (nothing to merge)")
         self._ranks: dict[str, int] = {}  # module -> the rank its config gives
         self._scalings = {
             name: self._scaling(config, module) for name, module in self._module_names.items()
         }
+        self._check_ranks(weights)
 
     def _pair_factors(self, weights: Path) -> dict[str, tuple[str, str]]:
-        """base tensor name -> (key of A, key of B), every key accounted for."""
+        """base tensor name -> (key of A, key of B), every key accounted for, each a
+        floating-point matrix and the only one of its module and factor."""
         pairs: dict[str, dict[str, str]] = {}
         self._module_names: dict[str, str] = {}
         for key in self._reader.names():
@@ -116,8 +123,21 @@ class LoraAdapter:
             for factor in ("lora_A", "lora_B"):
                 marker = f".{factor}."
                 if marker in stem and stem.endswith(".weight"):
+                    shape, dtype = self._reader.shape(key), self._reader.dtype(key)
+                    if len(shape) != 2 or 0 in shape or not dtype.is_floating_point:
+                        raise CheckpointError(
+                            f"{shown(weights)}: tensor {key!r} is {dtype} of shape "
+                            f"{list(shape)}; a LoRA factor must be a non-empty floating-point "
+                            "matrix"
+                        )
                     module = stem.split(marker)[0]
-                    pairs.setdefault(f"{module}.weight", {})[factor] = key
+                    found = pairs.setdefault(f"{module}.weight", {})
+                    if factor in found:
+                        raise CheckpointError(
+                            f"{shown(weights)}: tensors {found[factor]!r} and {key!r} are both "
+                            f"the {factor} of {module!r} (one module under two names)"
+                        )
+                    found[factor] = key
                     self._module_names[f"{module}.weight"] = module
                     break
             else:
@@ -154,32 +174,62 @@ class LoraAdapter:
         key_a, key_b = self._modules[name]
         return self._reader.shape(key_b), self._reader.shape(key_a)
 
+    def delta_shape(self, name: str) -> tuple[int, int]:
+        """``(B rows, A columns)``: the shape of the delta of base tensor ``name``."""
+        (rows, _), (_, cols) = self.factor_shapes(name)
+        return rows, cols
+
+    def _check_ranks(self, weights: Path) -> None:
+        """B (out x r) and A (r x in) of every module share the rank its config gives."""
+        for name, module in self._module_names.items():
+            (rows, rank_b), (rank_a, cols) = self.factor_shapes(name)
+            if rank_a != rank_b:
+                raise CheckpointError(
+                    f"{shown(weights)}: {name!r}: B {[rows, rank_b]} @ A {[rank_a, cols]}: "
+                    "the factors' ranks differ"
+                )
+            if rank_a != self._ranks[module]:
+                raise CheckpointError(
+                    f"{self.path}: {name!r}: factors of rank {rank_a}, but {ADAPTER_CONFIG} "
+                    f"gives rank {self._ranks[module]} (its scaling would be wrong)"
+                )
+
     def check_against(self, base: CheckpointReader) -> None:
-        """Every adapted tensor exists in the base with shape ``(B rows, A columns)`` and the
-        factors share their rank."""
+        """Every adapted tensor is a floating tensor of the base with shape
+        ``(B rows, A columns)``."""
         for name in self._modules:
             if name not in base:
                 raise CheckpointError(
                     f"{self.path}: adapts {name!r}, which is not a tensor of the base ({base.path})"
                 )
-            (rows, rank_b), (rank_a, cols) = self.factor_shapes(name)
-            if rank_a != rank_b or tuple(base.shape(name)) != (rows, cols):
+            if not base.dtype(name).is_floating_point:
                 raise CheckpointError(
-                    f"{self.path}: {name!r}: B {[rows, rank_b]} @ A {[rank_a, cols]} does not "
+                    f"{shown(base.file_of(name))}: tensor {name!r} is {base.dtype(name)}, but "
+                    f"{shown(self.path)} adapts it: a LoRA delta applies only to a "
+                    "floating-point tensor"
+                )
+            if tuple(base.shape(name)) != self.delta_shape(name):
+                (rows, rank), (_, cols) = self.factor_shapes(name)
+                raise CheckpointError(
+                    f"{self.path}: {name!r}: B {[rows, rank]} @ A {[rank, cols]} does not "
                     f"give the base's shape {list(base.shape(name))}"
                 )
-            configured = self._ranks[self._module_names[name]]
-            if rank_a != configured:
-                raise CheckpointError(
-                    f"{self.path}: {name!r}: factors of rank {rank_a}, but {ADAPTER_CONFIG} "
-                    f"gives rank {configured} (its scaling would be wrong)"
-                )
+
+    def _read(self, key: str, dtype: torch.dtype, scaling: float = 1.0) -> torch.Tensor:
+        """Factor ``key`` in ``dtype`` times ``scaling``, refused unless finite."""
+        where = f"{shown(self._reader.weights_file)}: tensor {key!r}"
+        factor = self._reader.get(key)
+        if not torch.isfinite(factor).all():
+            raise CheckpointError(f"{where} contains {'NaN' if factor.isnan().any() else 'Inf'}")
+        factor = factor.to(dtype).mul_(scaling)
+        if not torch.isfinite(factor).all():
+            raise CheckpointError(f"{where} times its scaling {scaling:g} overflows {dtype}")
+        return factor
 
     def factors(self, name: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(scaling * B, A)`` of base tensor ``name`` in ``dtype``."""
+        """``(scaling * B, A)`` of base tensor ``name`` in ``dtype``, both finite."""
         key_a, key_b = self._modules[name]
-        lora_b = self._reader.get(key_b).to(dtype).mul_(self._scalings[name])
-        return lora_b, self._reader.get(key_a).to(dtype)
+        return self._read(key_b, dtype, self._scalings[name]), self._read(key_a, dtype)
 
     def delta(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """The dense ``scaling * B @ A`` of base tensor ``name`` in ``dtype``."""
