@@ -26,6 +26,7 @@ from mergekit_loco.io.files import MAX_JSON_BYTES, read_limited, shown
 from mergekit_loco.io.hf import check_hf_folder
 from mergekit_loco.train.data import evaluate_loss, prepare_data
 from mergekit_loco.train.model import load_pretrained
+from mergekit_loco.train.tokenizer import load_tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -43,13 +44,18 @@ class Evaluation:
 
     @property
     def perplexity(self) -> float:
-        """``exp(loss)``."""
-        return math.exp(self.loss)
+        """``exp(loss)``; ``inf`` where that overflows a float (loss above ~709.78)."""
+        try:
+            return math.exp(self.loss)
+        except OverflowError:
+            return math.inf
 
     def record(self) -> dict:
+        """The result as strict JSON values: an infinite perplexity is ``None`` (null)."""
+        perplexity = self.perplexity if math.isfinite(self.perplexity) else None
         return {"model": self.model, "data": self.data, "val_set": self.val_set,
                 "tokens": self.tokens, "loss": self.loss,
-                "perplexity": self.perplexity}  # fmt: skip
+                "perplexity": perplexity}  # fmt: skip
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu") -> PreTrainedModel:
@@ -79,10 +85,40 @@ def held_out_tokens(data: str, tokenizer: str | Path, tokens: int, seed: int = 0
 @functools.lru_cache(maxsize=32)
 def _held_out(data: str, tokenizer: str, fingerprint: str, tokens: int, seed: int) -> torch.Tensor:
     """Cached by tokenizer content, so copies of one tokenizer (merge outputs) tokenize once."""
+    _check_tokenizer(Path(tokenizer))
     prepared = prepare_data(
         data, tokenizer=tokenizer, max_train_tokens=1, val_tokens=tokens, seed=seed
     )
     return prepared.val
+
+
+def _check_tokenizer(folder: Path) -> None:
+    """Refuse, naming its file, a tokenizer folder transformers cannot load; it raises all kinds
+    of errors on a malformed file (``KeyError: 'added_tokens'`` for a ``tokenizer.json`` of
+    ``{}``)."""
+    try:
+        load_tokenizer(folder)
+    except ValueError:  # already one line naming the tokenizer
+        raise
+    except Exception as error:
+        file = next((folder / n for n in TOKENIZER_FILES if (folder / n).is_file()), folder)
+        cause = (str(error).strip().splitlines() or [""])[0][:200]
+        raise ValueError(
+            f"{shown(file)}: not a tokenizer transformers can read ({type(error).__name__}: "
+            f"{cause})"
+        ) from None
+
+
+def _check_vocab(
+    ids: torch.Tensor, tokenizer: str | Path, model: PreTrainedModel, path: str | Path
+) -> None:
+    """Refuse token ids the model's embedding has no row for (a tokenizer of another model)."""
+    vocab_size = model.get_input_embeddings().num_embeddings
+    if ids.numel() and int(ids.max()) >= vocab_size:
+        raise ValueError(
+            f"{shown(tokenizer)}: the tokenizer's ids reach {int(ids.max())}, beyond the "
+            f"vocab_size {vocab_size} of model {shown(path)}"
+        )
 
 
 def _file_digest(path: Path) -> str:
@@ -134,10 +170,16 @@ def evaluate_models(
         model = load_model(path, device)
         for data in datasets:
             held_out = held_out_tokens(data, folder, tokens * val_sets, seed)
+            _check_vocab(held_out, folder, model, path)
             for val_set, ids in enumerate(held_out.split(tokens)):
                 if ids.numel() < seq_len:
                     raise ValueError(f"{data}: {ids.numel()} held-out tokens, fewer than --seq-len")
                 loss = loss_on(model, ids, seq_len, batch_size, device)
+                if not math.isfinite(loss):
+                    raise ValueError(
+                        f"{shown(path)}: loss {loss} on {data}: the model's logits are not finite "
+                        "(NaN or infinite weights, or a config.json that makes them)"
+                    )
                 predicted = predicted_tokens(ids.numel(), seq_len)
                 results.append(Evaluation(str(path), data, predicted, loss, val_set))
         del model

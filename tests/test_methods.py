@@ -8,6 +8,7 @@ checked against a second, independent computation rather than against itself.
 from __future__ import annotations
 
 import re
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -286,6 +287,16 @@ def test_sign_election_sums_half_precision_deltas_in_float32(name, params, dtype
     deltas = [torch.tensor(row, dtype=dtype) for row in rows]
     merged = get_method(name, **params).merge_tensor("v", deltas)
     assert merged.dtype == dtype and merged.tolist() == [128.0, -1.0]
+
+
+def test_dare_masks_of_a_large_seed_are_its_formula_modulo_2_64():
+    """A seed above 2**64 / 1000003 (before: an overflow in manual_seed) draws the mask of
+    ``(seed * 1000003 + crc32(name) + task) mod 2**64``, written out here."""
+    seed, delta = 10**15, torch.arange(1.0, 41.0)
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(b"w") + 1) % 2**64)
+    kept = torch.rand(40, generator=generator, dtype=torch.float64) < 0.5
+    expected = torch.where(kept, delta / 0.5, 0.0)
+    assert torch.equal(get_method("dare", density=0.5, seed=seed).drop("w", delta, 1), expected)
 
 
 def test_ties_all_zero_tensor_stays_zero():

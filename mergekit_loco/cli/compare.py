@@ -301,6 +301,6 @@ def eval_command(
         val_sets=val_sets,
     )
     if as_json:
-        print(json.dumps([result.record() for result in results], indent=2))
+        print(json.dumps([result.record() for result in results], indent=2, allow_nan=False))
     else:
         Console().print(evaluate.results_table(results))

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mergekit_loco.io.files import brief
 from mergekit_loco.methods.base import (
     MergeMethod,
     check_fraction,
@@ -68,11 +69,17 @@ class Dare(MergeMethod):
             raise ValueError(
                 f"{self.name}: rescale must be one of {RESCALE_CHOICES}, not {self.rescale!r}"
             )
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(
+                f"{self.name}: seed must be an integer in [0, 2**63), not {brief(self.seed)}"
+            )
 
     def drop(self, name: str, delta: torch.Tensor, task_index: int) -> torch.Tensor:
-        """The rescaled ``m_t * tau_t`` with the mask of (seed, ``name``, ``task_index``)."""
+        """The rescaled ``m_t * tau_t`` with the mask of (seed, ``name``, ``task_index``): the
+        generator's seed is ``seed * 1000003 + crc32(name) + task_index`` modulo 2**64."""
         generator = torch.Generator()
-        generator.manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()) + task_index)
+        key = self.seed * 1_000_003 + zlib.crc32(name.encode()) + task_index
+        generator.manual_seed(key % 2**64)
         density = per_task(self.name, "density", self.density, task_index)
         return drop_and_rescale(delta, density, generator, self.rescale)
 

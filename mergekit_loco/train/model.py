@@ -10,16 +10,17 @@ the reference experiments. Parameters: ``2 * vocab * hidden`` (embeddings + lm_h
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from mergekit_loco.io.files import read_json
-from mergekit_loco.io.hf import refuse_custom_code
+from mergekit_loco.io.files import read_json, shown
+from mergekit_loco.io.hf import NO_REMOTE_CODE, check_hf_folder, refuse_custom_code
 
 _COMMON = {
     "tie_word_embeddings": False,
@@ -157,15 +158,20 @@ def count_parameters(model: torch.nn.Module) -> int:
     return sum(parameter.numel() for parameter in model.parameters())
 
 
+#: Bytes a config may build beyond the weights (a causal mask, RoPE frequencies): the weights'
+#: own bytes, and at least this.
+MIN_UNSAVED_LIMIT = 1 << 28  # 256 MiB
+
+
 def load_pretrained(path: str | Path, what: str = "model") -> PreTrainedModel:
     """The float32 causal LM of a Hugging Face folder or a ``.safetensors`` file with
-    ``config.json`` beside it, read as hostile input: the config is first built on the meta
-    device and its tensor names and shapes must be the weights' (so a config cannot make us
-    allocate more than the weights hold), and a config transformers cannot build is one error
+    ``config.json`` beside it, read as hostile input, so that a config cannot make us allocate
+    much more than the weights hold: it may ask for at most as many layers as the weights hold
+    tensors; it is built on the meta device, where its tensor names and shapes must be the
+    weights'; and what it builds beyond them (buffers such as a causal mask) must fit in
+    ``max(weights' bytes, MIN_UNSAVED_LIMIT)``. A config transformers cannot build is one error
     naming the file."""
     from mergekit_loco.io import open_checkpoint
-    from mergekit_loco.io.files import shown
-    from mergekit_loco.io.hf import NO_REMOTE_CODE, check_hf_folder
 
     with open_checkpoint(path) as reader:
         config_file = reader.config_dir / "config.json"
@@ -175,18 +181,21 @@ def load_pretrained(path: str | Path, what: str = "model") -> PreTrainedModel:
                 f"({shown(reader.config_dir)})"
             )
         folder = check_hf_folder(reader.config_dir, what)
-        try:  # transformers raises all kinds of errors on a malformed config
-            config = AutoConfig.from_pretrained(folder, **NO_REMOTE_CODE)
-            with torch.device("meta"):
-                skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        except Exception as error:  # one line naming the file, whatever transformers raised
-            cause = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        config = _built(config_file, AutoConfig.from_pretrained, folder, **NO_REMOTE_CODE)
+        layers = getattr(config, "num_hidden_layers", None)
+        if isinstance(layers, int) and layers > len(reader):  # each layer costs time on meta
             raise ValueError(
-                f"{shown(config_file)}: not a model transformers can build ({cause})"
-            ) from None
+                f"{shown(config_file)}: num_hidden_layers {layers} is more than the "
+                f"{len(reader)} tensors the weights {shown(reader.weights_file)} hold"
+            )
+        with torch.device("meta"):
+            skeleton = _built(
+                config_file, AutoModelForCausalLM.from_config, config, dtype=torch.float32
+            )
         tied = set(getattr(skeleton, "_tied_weights_keys", None) or ())
         tied = tied if config.tie_word_embeddings else set()
-        expected = {n: tuple(t.shape) for n, t in skeleton.state_dict().items() if n not in tied}
+        state = skeleton.state_dict()
+        expected = {n: tuple(t.shape) for n, t in state.items() if n not in tied}
         present = set(reader.names())
         for name, shape in expected.items():
             if name not in present:
@@ -197,12 +206,51 @@ def load_pretrained(path: str | Path, what: str = "model") -> PreTrainedModel:
                     f"{what} {shown(path)}: tensor {name!r} is {list(reader.shape(name))} in the "
                     f"weights but {list(shape)} by {shown(config_file)}"
                 )
-        unexpected = sorted(present - set(skeleton.state_dict()))
+        unexpected = sorted(present - set(state))
         if unexpected:
             raise ValueError(f"{what} {shown(path)}: tensor {unexpected[0]!r} is unexpected for "
                              f"a {config.model_type} model")  # fmt: skip
+        weight_bytes = sum(reader.entry(name).end - reader.entry(name).begin for name in present)
+        _refuse_unsaved_bulk(skeleton, present | tied, weight_bytes, shown(config_file))
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.load_state_dict({name: reader.get(name) for name in present}, strict=False)
     if tied:
         model.tie_weights()
     return model.to(torch.float32)
+
+
+Built = TypeVar("Built")
+
+
+def _built(config_file: Path, build: Callable[..., Built], *args, **kwargs) -> Built:
+    """``build(*args, **kwargs)``; whatever transformers raises on a malformed config becomes
+    one line naming ``config_file``."""
+    try:
+        return build(*args, **kwargs)
+    except Exception as error:  # transformers raises all kinds of errors on a malformed config
+        cause = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        raise ValueError(
+            f"{shown(config_file)}: not a model transformers can build ({cause})"
+        ) from None
+
+
+def _refuse_unsaved_bulk(
+    skeleton: torch.nn.Module, provided: set[str], weight_bytes: int, config_file: str
+) -> None:
+    """Refuse a meta-device model whose parameters and buffers other than the ``provided``
+    names (built by the config, never loaded) take more than ``max(weight_bytes,
+    MIN_UNSAVED_LIMIT)`` bytes: a ``positions x positions`` mask of a 1 MB checkpoint."""
+    unsaved = [
+        (name, tensor.numel() * tensor.element_size(), list(tensor.shape))
+        for name, tensor in [*skeleton.named_parameters(), *skeleton.named_buffers()]
+        if name not in provided
+    ]
+    limit = max(weight_bytes, MIN_UNSAVED_LIMIT)
+    total = sum(size for _, size, _ in unsaved)
+    if total > limit:
+        name, size, shape = max(unsaved, key=lambda item: item[1])
+        raise ValueError(
+            f"{config_file}: builds {total:,} bytes of tensors the weights do not hold "
+            f"(largest {name!r} {shape}, {size:,} bytes), more than the {limit:,} allowed "
+            f"beside {weight_bytes:,} bytes of weights"
+        )
