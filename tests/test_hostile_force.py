@@ -188,3 +188,15 @@ def test_train_out_inside_an_input_folder_is_refused(capsys, tmp_path, corpus):
     code, err, _ = run_cli(capsys, "train", *TRAIN, f"--data={data}", f"--out={data / 'run'}")
     assert_refused(code, err, str(data / "run"), "--out lies inside the input")
     assert snapshot(tmp_path) == before
+
+
+def test_force_takes_an_empty_folder_but_not_the_current_one(capsys, tmp_path, inputs, monkeypatch):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert merge(capsys, inputs, empty, "--force")[0] == 0
+    assert load_file(empty / "model.safetensors")["w"].tolist() == [1.0] * 4
+    monkeypatch.chdir(empty)
+    before = snapshot(tmp_path)
+    code, err, _ = merge(capsys, inputs, ".", "--force")
+    assert_refused(code, err, ".: name the output, like -o merged")
+    assert snapshot(tmp_path) == before

@@ -106,14 +106,13 @@ def foreign_entry(path: Path) -> Path | None:
     """The first entry that keeps ``path`` from being a plain checkpoint (None when it is one): a
     plain checkpoint is a ``.safetensors`` file, or a folder of regular files that all belong to
     a checkpoint or a LoRA adapter (``*.safetensors``, ``*.safetensors.index.json``, config,
-    tokenizer and adapter files) and nothing else, so replacing it loses no other file."""
+    tokenizer and adapter files) and nothing else, or an empty folder: replacing it loses no
+    other file."""
     if path.is_symlink() or not (path.is_file() or path.is_dir()):
         return path
     if path.is_file():
         return None if path.suffix == ".safetensors" else path
     entries = sorted(path.iterdir())
-    if not entries:
-        return path
     return next(
         (
             entry
@@ -171,6 +170,8 @@ def check_output(
     and what to do.
     """
     target = settled(target)
+    if target.name in ("", "."):  # the current folder, or the root: no name to stage beside
+        raise OutputRefused(f"{shown(target)}: name the {kind}, like -o {target / 'merged'}")
     source = overlapping_input(target, inputs)
     if source is not None:
         raise OutputRefused(
