@@ -23,11 +23,13 @@ SHARED="$SHAPE --val-seed 1000 --val-tokens 262144 --checkpoint-every 20 --jobs 
 HORIZON_TOKENS="${HORIZON_TOKENS:-16384000}"    # 800 rounds of H = 10 x 16 x 128
 INNER_LRS="${INNER_LRS:-5e-4 1e-3 2e-3 4e-3}"
 WEIGHT_DECAY=0.1
-OUTER_LR_GRID="${OUTER_LR_GRID:-0.5,0.71,1,1.41,2}"   # multiples of each preset's outer lr
-MOMENTUM_GRID="${MOMENTUM_GRID:-0.8,0.9,0.95}"         # presets with momentum only
-# To extend the grid of one aggregator only, add a space and its values, e.g.
-# OUTER_LR_GRID="0.5,0.71,1,1.41,2 diloco=0.25,0.35,0.497,0.7,0.987,1.4": each word is one
-# --outer-lr-grid option; the values as cell names print them reuse the finished cells.
+# Multiples of each preset's outer lr, and outer momenta (presets with momentum only). To
+# extend one aggregator's grid, add a space and its own values (absolute, as cell names print
+# them, so finished cells are reused): each word is one --outer-lr-grid option. diloco's grid
+# was extended one step down in lr (0.354 x 0.7) and momentum (0.7) during stage 4, when its
+# R = 2 cells put the best setting on both low edges (docs/results/aggregators_tuned.md).
+OUTER_LR_GRID="${OUTER_LR_GRID:-0.5,0.71,1,1.41,2 diloco=0.248,0.35,0.497,0.7,0.987,1.4}"
+MOMENTUM_GRID="${MOMENTUM_GRID:-0.8,0.9,0.95 diloco=0.7,0.8,0.9,0.95}"
 GRIDS=()
 for spec in $OUTER_LR_GRID; do GRIDS+=(--outer-lr-grid "$spec"); done
 for spec in $MOMENTUM_GRID; do GRIDS+=(--outer-momentum-grid "$spec"); done
