@@ -32,25 +32,23 @@ def merge(capsys, inputs, out, *extra):
     return run_cli(capsys, "merge", model, "--base", base, "-m", "ta", "-o", out, *extra)
 
 
-def test_force_refuses_a_folder_it_did_not_write(capsys, tmp_path, inputs):
-    home = tmp_path / "home"
-    (home / ".ssh").mkdir(parents=True)
-    (home / ".ssh" / "id_ed25519").write_text("secret")
-    (home / "model.safetensors").write_bytes(b"x")
-    before = snapshot(tmp_path)
-    code, err, _ = merge(capsys, inputs, home, "--force")
-    assert_refused(code, err, str(home), "--force replaces only a checkpoint", "holds .ssh")
-    assert snapshot(tmp_path) == before
-
-
-def test_force_keeps_a_file_the_user_added_to_an_output_of_ours(capsys, tmp_path, inputs):
-    out = tmp_path / "merged"
-    assert merge(capsys, inputs, out)[0] == 0
-    (out / "NOTES.md").write_text("my notes")
-    (out / "eval_results").mkdir()
+@pytest.mark.parametrize("folder", ["a_home_folder", "our_output_with_user_notes"])
+def test_force_refuses_a_folder_that_is_not_only_a_checkpoint(capsys, tmp_path, inputs, folder):
+    """Neither a user's folder nor an output of ours to which the user added a file (before,
+    that file was deleted with the output)."""
+    out = tmp_path / "out"
+    if folder == "a_home_folder":
+        (out / ".ssh").mkdir(parents=True)
+        (out / ".ssh" / "id_ed25519").write_text("secret")
+        (out / "model.safetensors").write_bytes(b"x")
+    else:
+        assert merge(capsys, inputs, out)[0] == 0
+        (out / "eval_results").mkdir()
+        (out / "NOTES.md").write_text("my notes")
+    first = {"a_home_folder": ".ssh", "our_output_with_user_notes": "NOTES.md"}[folder]
     before = snapshot(tmp_path)
     code, err, _ = merge(capsys, inputs, out, "--force")
-    assert_refused(code, err, str(out), "--force replaces only a checkpoint", "holds NOTES.md")
+    assert_refused(code, err, str(out), "--force replaces only a checkpoint", f"holds {first}")
     assert snapshot(tmp_path) == before
 
 
