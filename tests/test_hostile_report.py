@@ -3,10 +3,16 @@ one line (exit 2), never read forever, and the folder is left as it was."""
 
 from __future__ import annotations
 
+import json
+import math
 import os
+import statistics
 
 import pytest
 from hostile import assert_refused, run_cli, snapshot
+
+from mergekit_loco.compare import runs
+from mergekit_loco.compare.stats import spread
 
 
 @pytest.mark.parametrize(("config", "fragment"), [
@@ -29,6 +35,12 @@ def test_report_names_a_damaged_run_file(capsys, tmp_path, config, fragment):
 
 
 CONFIG = '{"inner_steps": 2, "global_batch": 4, "seq_len": 8, "workers": 2, "preset": "diloco"}'
+FINAL = '{"event": "final", "round": 1, "val_loss": 3.5}'
+
+
+def changed(**entries) -> str:
+    """CONFIG with ``entries`` replaced or added."""
+    return json.dumps({**json.loads(CONFIG), **entries})
 
 
 @pytest.mark.parametrize(("config", "metrics", "fragment"), [
@@ -37,6 +49,12 @@ CONFIG = '{"inner_steps": 2, "global_batch": 4, "seq_len": 8, "workers": 2, "pre
     (CONFIG, '{"event": "eval", "round": [1], "val_loss": 3}', "a eval event: 'round' is [1]"),
     ('{"inner_steps": "2", "global_batch": 4, "seq_len": 8}', '{"event": "final", "round": 1}',
      "config.json: 'inner_steps' is \"2\", not a number"),
+    (changed(workers=[1, 2]), FINAL, "'workers' is [1, 2], not an integer >= 1"),
+    (changed(workers=1.9), FINAL, "'workers' is 1.9, not an integer >= 1"),
+    (changed(workers=-4), FINAL, "'workers' is -4, not an integer >= 1"),
+    (changed(preset=["diloco"]), FINAL, "'preset' is [\"diloco\"], not a name"),
+    (changed(seed="abc"), FINAL, "'seed' is \"abc\", not an integer >= 0"),
+    (CONFIG, FINAL[:-1] + ', "tokens": [1]}', "final event: 'tokens' is [1], not an integer >= 0"),
 ])  # fmt: skip
 def test_report_names_a_missing_or_mistyped_entry(capsys, tmp_path, config, metrics, fragment):
     run = tmp_path / "results" / "runs" / "a"
@@ -47,3 +65,27 @@ def test_report_names_a_missing_or_mistyped_entry(capsys, tmp_path, config, metr
     code, err, _ = run_cli(capsys, "report", tmp_path / "results")
     assert_refused(code, err, fragment)
     assert snapshot(tmp_path) == before
+
+
+def test_a_huge_or_unbroken_metrics_file_is_bounded(capsys, tmp_path):
+    """A sparse 200 MB metrics file is refused by its size before any byte is read; a 3 MB line
+    without a newline is read past, never held, and the events around it still count."""
+    run = tmp_path / "results" / "runs" / "a"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(CONFIG)
+    with open(run / "metrics.jsonl", "wb") as handle:
+        handle.truncate(200_000_000)
+    code, err, _ = run_cli(capsys, "report", tmp_path / "results")
+    assert_refused(code, err, str(run / "metrics.jsonl"), "more than a metrics file may hold")
+    eval_event = '{"event": "eval", "round": 1, "val_loss": 4.0}'
+    (run / "metrics.jsonl").write_text(eval_event + "\n" + "x" * 3_000_000 + "\n" + FINAL + "\n")
+    assert runs.load_run(run).val_curve == ((64, 4.0), (64, 3.5))
+
+
+def test_losses_near_the_float_maximum_have_a_spread():
+    """A damaged file's 1e300 (before: ``OverflowError (34, 'Numerical result out of range')``):
+    mean and sample sd as statistics.stdev computes them exactly."""
+    values = [1e300, 1.0, -2e300]
+    result = spread(values)
+    assert math.isclose(result.mean, statistics.fmean(values), rel_tol=1e-12)
+    assert math.isclose(result.std, statistics.stdev(values), rel_tol=1e-12)

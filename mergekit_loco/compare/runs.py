@@ -20,7 +20,7 @@ from mergekit_loco.io.files import (
     UnsafeInputError,
     parse_json,
     read_json,
-    read_limited,
+    read_lines,
     shown,
 )
 
@@ -80,20 +80,37 @@ def number_in(mapping: dict, key: str, where: str) -> float:
     return float(value)
 
 
+#: the keys of an event a report reads, the only ones kept (a long run's file stays small in
+#: memory); a line longer than MAX_EVENT_BYTES is no event.
+EVENT_KEYS = ("event", "round", "tokens", "train_loss", "val_loss", "round_seconds")
+MAX_EVENT_BYTES = 1 << 16
+
+
+def whole_in(mapping: dict, key: str, where: str, default: int, minimum: int = 0) -> int:
+    """``mapping[key]`` (``default`` if absent) as an integer of at least ``minimum``; anything
+    else (a list, 1.9, true, "abc", -4 workers) is a ValueError naming ``where`` and the key."""
+    value = mapping.get(key, default)
+    if type(value) is not int or value < minimum:
+        raise ValueError(
+            f"{where}: {key!r} is {json.dumps(value)[:40]}, not an integer >= {minimum}"
+        )
+    return value
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
-    """The events of the run's metrics file (a torn last line of a killed run is dropped)."""
+    """The events of the run's metrics file (at most 100 MB, streamed; a torn last line of a
+    killed run is dropped), with the keys a report reads."""
     path = run_dir / run_layout.METRICS
     if not path.exists():
         return []
     events = []
-    text = read_limited(path, MAX_JSON_BYTES * 10, "metrics file").decode("utf-8", "replace")
-    for line in text.splitlines():
+    for line in read_lines(path, MAX_JSON_BYTES, "metrics file", MAX_EVENT_BYTES):
         try:
-            event = parse_json(line.encode(), str(path))
+            event = parse_json(line, str(path)) if line is not None else None
         except UnsafeInputError:
             continue
         if isinstance(event, dict):
-            events.append(event)
+            events.append({key: event[key] for key in EVENT_KEYS if key in event})
     return events
 
 
@@ -146,17 +163,23 @@ def load_run(run_dir: Path) -> Run:
         status, val_loss = "finished", number_in(final, "val_loss", f"{metrics}: final event")
     else:
         status, val_loss = "unfinished", None
-    tokens = (final or {}).get("tokens", config.get("tokens"))
+    if final is not None and "tokens" in final:
+        tokens: int | None = whole_in(final, "tokens", f"{metrics}: final event", 0)
+    else:
+        tokens = None if config.get("tokens") is None else whole_in(config, "tokens", where, 0)
     outer = config.get("mode") != "dp"
+    aggregator = config.get("preset") or config.get("aggregator")
+    if not isinstance(aggregator, str):
+        raise ValueError(f"{where}: 'preset' is {json.dumps(aggregator)[:40]}, not a name")
     return Run(
         name=run_dir.name,
-        aggregator=config.get("preset") or config.get("aggregator"),
-        workers=int(config.get("workers", 1)),
-        inner_steps=int(config.get("inner_steps", 0)),
-        seed=int(config.get("seed", 0)),
+        aggregator=aggregator,
+        workers=whole_in(config, "workers", where, 1, minimum=1),
+        inner_steps=whole_in(config, "inner_steps", where, 0),
+        seed=whole_in(config, "seed", where, 0),
         outer_lr=outer_value("outer_lr") if outer else None,
         outer_momentum=outer_value("outer_momentum") if outer else None,
-        tokens=None if tokens is None else int(tokens),
+        tokens=tokens,
         global_batch=config.get("global_batch"),
         seq_len=config.get("seq_len"),
         model=config.get("model"),

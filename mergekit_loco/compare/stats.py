@@ -32,11 +32,19 @@ def spread(values: Sequence[float]) -> Spread:
     if not values:
         raise ValueError("spread of no values")
     n = len(values)
-    mean = math.fsum(values) / n
+    try:
+        mean = math.fsum(values) / n
+    except OverflowError:  # values near the float maximum (a damaged file): the same, scaled
+        mean = math.fsum(v / n for v in values)
     if n < 2 or not all(math.isfinite(v) for v in values):
         std = math.nan
     else:
-        std = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1))
+        deviations = [v - mean for v in values]
+        try:
+            std = math.sqrt(math.fsum(d**2 for d in deviations) / (n - 1))
+        except OverflowError:  # squares beyond the float range: the same sum, scaled
+            scale = max(abs(d) for d in deviations)
+            std = scale * math.sqrt(math.fsum((d / scale) ** 2 for d in deviations) / (n - 1))
     return Spread(mean=mean, std=std, low=min(values), high=max(values), n=n)
 
 

@@ -11,10 +11,12 @@ terminal. No message ever quotes bytes of a file that failed to parse.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import stat
 import unicodedata
+from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -85,6 +87,30 @@ def read_limited(path: Path, limit: int, what: str = "file") -> bytes:
             raise UnsafeInputError(f"{shown(path)}: {size} bytes, more than a {what} may hold")
         try:
             return handle.read(limit + 1)[:limit]
+        except OSError as error:
+            reason = error.strerror or error
+            raise UnsafeInputError(f"{shown(path)}: cannot read ({reason})") from None
+
+
+def read_lines(
+    path: Path, limit: int, what: str = "file", line_limit: int = 1 << 20
+) -> Iterator[bytes | None]:
+    """The lines of the regular file ``path`` (without their line ending), streamed: memory
+    holds one line at a time. A file larger than ``limit`` bytes is refused; a line longer than
+    ``line_limit`` comes as None (read past in chunks, never held)."""
+    with open_regular(path, what) as raw:
+        size = os.fstat(raw.fileno()).st_size
+        if size > limit:
+            raise UnsafeInputError(f"{shown(path)}: {size} bytes, more than a {what} may hold")
+        handle = io.BufferedReader(raw)
+        try:
+            while line := handle.readline(line_limit + 1):
+                if len(line) > line_limit and not line.endswith(b"\n"):
+                    while line and not line.endswith(b"\n"):
+                        line = handle.readline(line_limit)
+                    yield None
+                else:
+                    yield line.rstrip(b"\r\n")
         except OSError as error:
             reason = error.strerror or error
             raise UnsafeInputError(f"{shown(path)}: cannot read ({reason})") from None
