@@ -21,11 +21,23 @@ class TaskVector(Mapping[str, torch.Tensor]):
     """Ordered ``name -> delta`` mapping with vector-space arithmetic.
 
     ``TaskVector(mapping)`` wraps any name -> tensor mapping (no copy). Arithmetic returns new
-    TaskVectors: ``a + b``, ``a - b``, ``c * a``, ``-a``. Keys must match exactly.
+    TaskVectors: ``a + b``, ``a - b``, ``c * a``, ``-a``. Keys must match exactly. Raises
+    TypeError, naming the key, for a value that is not a tensor.
     """
 
     def __init__(self, deltas: Mapping[str, torch.Tensor]):
+        if not isinstance(deltas, Mapping):
+            raise TypeError(
+                f"TaskVector takes a mapping of tensor name -> delta tensor, not a "
+                f"{type(deltas).__name__}"
+            )
         self._deltas: dict[str, torch.Tensor] = dict(deltas)
+        for name, delta in self._deltas.items():
+            if not isinstance(delta, torch.Tensor):
+                raise TypeError(
+                    f"TaskVector: the delta of {name!r} is a {type(delta).__name__}, not a "
+                    "torch.Tensor"
+                )
 
     # -- construction -------------------------------------------------------------------------
     @classmethod

@@ -81,7 +81,9 @@ class MergeMethod:
         return self
 
     def merge(self, task_vectors: Sequence[TaskVector]) -> TaskVector:
-        """Merge whole task vectors, one tensor name at a time."""
+        """Merge whole task vectors, one tensor name at a time. Before any compute, raises
+        KeyError for a name not in every task vector and ValueError, naming the tensor, for
+        deltas of different shapes."""
         if not task_vectors:
             raise ValueError(f"{self.name}: no task vectors to merge")
         first = task_vectors[0]
@@ -89,6 +91,12 @@ class MergeMethod:
             if set(other) != set(first):
                 missing = sorted(set(first) ^ set(other))[0]
                 raise KeyError(f"task vector {index} and task vector 1 differ at {missing!r}")
+            for name, delta in first.items():
+                if other[name].shape != delta.shape:
+                    raise ValueError(
+                        f"{self.name}: tensor {name!r} is {list(other[name].shape)} in task "
+                        f"vector {index} but {list(delta.shape)} in task vector 1"
+                    )
         return TaskVector(
             {name: self.merge_tensor(name, [tv[name] for tv in task_vectors]) for name in first}
         )

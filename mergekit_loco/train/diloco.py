@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import numbers
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -31,6 +32,53 @@ from mergekit_loco.train.aggregate import CommStats, aggregate_worker_deltas
 
 #: What the outer step may communicate: exact (None), bfloat16, or int8 with per-row scales.
 COMPRESSIONS = (None, "bf16", "int8")
+#: The keys of :meth:`DiLoCo.state_dict` (``pending`` may be left out: no unfinished turns).
+STATE_KEYS = ("global_params", "local_steps", "outer_steps", "pending", "outer")
+
+
+def is_int(value: Any) -> bool:
+    """An integer, not a bool (``True`` is 1 to Python, never a count here)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_sync_every(sync_every: Any) -> None:
+    """Raise TypeError unless ``sync_every`` is an int, ValueError unless it is >= 1."""
+    if not is_int(sync_every):
+        raise TypeError(
+            f"sync_every must be an int >= 1 (inner steps per outer step), got {sync_every!r}"
+        )
+    if sync_every < 1:
+        raise ValueError(f"sync_every must be >= 1, got {sync_every}")
+
+
+def optimizer_tensors(optimizer: Any) -> list[torch.Tensor]:
+    """The tensors ``optimizer`` steps: its ``param_groups``', or those of the optimizers it
+    wraps in ``optimizers`` (as the training loop's InnerOptimizer does)."""
+    if hasattr(optimizer, "param_groups"):
+        return [p for group in optimizer.param_groups for p in group["params"]]
+    return [p for inner in getattr(optimizer, "optimizers", ()) for p in optimizer_tensors(inner)]
+
+
+def check_inner_optimizers(model: torch.nn.Module, inner_optimizers: Sequence[Any]) -> None:
+    """At least one inner optimizer; each one hookable and stepping only ``model``'s
+    parameters. Raises naming the optimizer (its position in ``inner_optimizer``)."""
+    if not inner_optimizers:
+        raise ValueError(
+            "inner_optimizer is empty: pass a torch optimizer over the model's parameters (or "
+            "a list of them, one per simulated worker)"
+        )
+    in_model = {id(p) for p in model.parameters()}
+    for worker, optimizer in enumerate(inner_optimizers):
+        if not callable(getattr(optimizer, "register_step_post_hook", None)):
+            raise TypeError(
+                f"inner_optimizer {worker} is a {type(optimizer).__name__}, not a torch "
+                "optimizer (it has no register_step_post_hook)"
+            )
+        if any(id(p) not in in_model for p in optimizer_tensors(optimizer)):
+            raise ValueError(
+                f"inner_optimizer {worker} holds a tensor that is not a parameter of the model "
+                "(an optimizer of another model?): build it over model.parameters()"
+            )
 
 
 def check_compression(compression: str | None) -> None:
@@ -136,8 +184,7 @@ class DiLoCo:
         backup_device: torch.device | str | None = None,
         exclude: Iterable[str] = (),
     ):
-        if sync_every < 1:
-            raise ValueError(f"sync_every must be >= 1, got {sync_every}")
+        check_sync_every(sync_every)
         check_compression(compression)
         named = dict(model.named_parameters())
         # a tied weight has one name here and more in the model (lm_head.weight beside
@@ -171,6 +218,7 @@ class DiLoCo:
         self.inner_optimizers = (
             list(inner_optimizer) if isinstance(inner_optimizer, Sequence) else [inner_optimizer]
         )
+        check_inner_optimizers(model, self.inner_optimizers)
         if len({id(o) for o in self.inner_optimizers}) != len(self.inner_optimizers):
             raise ValueError(
                 "inner_optimizer lists one optimizer twice: each simulated worker needs its own "
@@ -321,19 +369,80 @@ class DiLoCo:
             if torch.is_tensor(value) and value.dim() > 0
         ]
 
-    @torch.no_grad()
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`; at a turn boundary the model gets the global parameters
-        too (mid-turn, load the model's own state after this)."""
+    def check_tensors(self, label: str, tensors: Any) -> None:
+        """``tensors`` maps exactly the driven parameters' names to tensors of their shapes."""
+        if not isinstance(tensors, Mapping):
+            raise TypeError(
+                f"DiLoCo state: {label} must map parameter names to tensors, not a "
+                f"{type(tensors).__name__}"
+            )
+        if set(tensors) != set(self.global_params):
+            missing = sorted(set(self.global_params) ^ set(tensors), key=str)[0]
+            raise ValueError(
+                f"DiLoCo state does not fit the model: {label} tensor {missing!r} differs"
+            )
+        for name, tensor in tensors.items():
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(
+                    f"DiLoCo state: {label} {name!r} is a {type(tensor).__name__}, not a tensor"
+                )
+
+    def check_state(self, state: Any) -> None:
+        """Raise, naming the key, unless ``state`` is a :meth:`state_dict` this driver can go
+        on from: its keys and types, ``0 <= local_steps < sync_every``, ``outer_steps >= 0``,
+        fewer pending turns than inner optimizers, tensors of the parameters' names and
+        shapes."""
+        if not isinstance(state, Mapping):
+            raise TypeError(f"DiLoCo state must be a mapping, not a {type(state).__name__}")
+        missing = [key for key in STATE_KEYS if key not in state and key != "pending"]
+        if missing:
+            raise ValueError(f"DiLoCo state lacks the key {missing[0]!r}")
+        unknown = [key for key in state if key not in STATE_KEYS]
+        if unknown:
+            raise ValueError(f"DiLoCo state has an unknown key {unknown[0]!r}")
+        for key in ("local_steps", "outer_steps"):
+            if not is_int(state[key]):
+                raise TypeError(f"DiLoCo state: {key!r} must be an int, got {state[key]!r}")
+        if not 0 <= state["local_steps"] < self.sync_every:
+            raise ValueError(
+                f"DiLoCo state: 'local_steps' is {state['local_steps']}, outside [0, "
+                f"sync_every={self.sync_every}) (saved with a larger sync_every?): the turn "
+                "would never end"
+            )
+        if state["outer_steps"] < 0:
+            raise ValueError(f"DiLoCo state: 'outer_steps' is {state['outer_steps']}, below 0")
+        pending = state.get("pending", [])
+        if not isinstance(pending, list | tuple):
+            raise TypeError(
+                f"DiLoCo state: 'pending' must be a list of deltas, not a {type(pending).__name__}"
+            )
+        if len(pending) >= len(self.inner_optimizers):
+            raise ValueError(
+                f"DiLoCo state: 'pending' holds {len(pending)} finished turns, but this driver "
+                f"has {len(self.inner_optimizers)} inner optimizers (at most "
+                f"{len(self.inner_optimizers) - 1} turns can wait for the outer step)"
+            )
+        if not isinstance(state["outer"], Mapping):
+            raise TypeError(
+                f"DiLoCo state: 'outer' must be an optimizer state_dict, not a "
+                f"{type(state['outer']).__name__}"
+            )
         saved = state["global_params"]
-        if set(saved) != set(self.global_params):
-            missing = sorted(set(self.global_params) ^ set(saved))[0]
-            raise ValueError(f"DiLoCo state does not fit the model: tensor {missing!r} differs")
+        self.check_tensors("global_params", saved)
         check_shapes_fit(self.global_params, ((n, f"global {n!r}", saved[n]) for n in saved))
-        for turn, delta in enumerate(state.get("pending", [])):
+        for turn, delta in enumerate(pending):
+            self.check_tensors(f"pending turn {turn}", delta)
             entries = ((n, f"pending turn {turn} {n!r}", t) for n, t in dict(delta).items())
             check_shapes_fit(self.global_params, entries)
         check_shapes_fit(self.global_params, self.outer_state_tensors(state["outer"]))
+
+    @torch.no_grad()
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`; at a turn boundary the model gets the global parameters
+        too (mid-turn, load the model's own state after this). Before any change, raises
+        naming the key (:meth:`check_state`) for a state this driver cannot go on from."""
+        self.check_state(state)
+        saved = state["global_params"]
         for name, tensor in self.global_params.items():
             tensor.copy_(saved[name])
         self.local_steps = int(state["local_steps"])

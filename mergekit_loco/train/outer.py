@@ -5,6 +5,8 @@ model). Both run the same two functions: the aggregation and the pseudo-gradient
 from __future__ import annotations
 
 import copy
+import math
+import numbers
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -19,6 +21,30 @@ from mergekit_loco.train.diloco import (
     check_compression_has_ranks,
     resolve_aggregator,
 )
+
+
+def check_params(params: Mapping[str, torch.Tensor]) -> None:
+    """``params`` maps names to tensors (a list of tensors has no names to match deltas by)."""
+    if not isinstance(params, Mapping):
+        raise TypeError(
+            "OuterOptimizer params must be a mapping of name -> tensor (e.g. "
+            f"dict(model.named_parameters())), not a {type(params).__name__}"
+        )
+    for name, tensor in params.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(
+                f"OuterOptimizer params: {name!r} is a {type(tensor).__name__}, not a tensor"
+            )
+
+
+def check_rate(option: str, value: float, high: float | None) -> None:
+    """``value`` is a finite real number, > 0 (``high`` None) or in ``[0, high)``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"OuterOptimizer {option} must be a real number, got {value!r}")
+    if high is None and not (math.isfinite(value) and value > 0):
+        raise ValueError(f"OuterOptimizer {option} must be finite and > 0, got {value}")
+    if high is not None and not (math.isfinite(value) and 0 <= value < high):
+        raise ValueError(f"OuterOptimizer {option} must lie in [0, {high:g}), got {value}")
 
 
 class OuterOptimizer:
@@ -47,6 +73,9 @@ class OuterOptimizer:
         compression: str | None = None,
         **aggregator_options,
     ):
+        check_params(params)
+        check_rate("lr", lr, None)
+        check_rate("momentum", momentum, 1.0)
         check_compression(compression)
         check_compression_has_ranks(compression, process_group)
         self.params = dict(params)
@@ -70,7 +99,17 @@ class OuterOptimizer:
 
     @torch.no_grad()
     def step(self, deltas: Sequence[TaskVector]) -> TaskVector:
-        """Aggregate ``deltas`` and update ``params`` in place; returns the merged delta."""
+        """Aggregate ``deltas`` and update ``params`` in place; returns the merged delta.
+        Raises ValueError naming the tensor, before any compute, for a delta of another shape
+        than its parameter."""
+        for index, delta in enumerate(deltas, start=1):
+            for name, tensor in delta.items():
+                param = self.params.get(name)
+                if param is not None and tensor.shape != param.shape:
+                    raise ValueError(
+                        f"worker delta {index}: tensor {name!r} is {list(tensor.shape)} but the "
+                        f"parameter is {list(param.shape)}; params kept"
+                    )
         merged, self.last_comm_stats = aggregate_worker_deltas(
             self.method,
             deltas,

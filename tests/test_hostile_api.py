@@ -1,0 +1,198 @@
+"""Misuse of the public Python API: each is refused at once with an error naming the argument,
+key or tensor, never accepted to go silently wrong later (no outer step, NaN parameters)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mergekit_loco as ml
+
+
+def tiny() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.optim.Optimizer]:
+    """A Linear(4, 3) with its inner (SGD) and outer (SGD, momentum) optimizers."""
+    model = torch.nn.Linear(4, 3)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9)
+    return model, inner, outer
+
+
+# -- DiLoCo: construction ------------------------------------------------------------------------
+@pytest.mark.parametrize("sync_every", [2.5, float("nan"), 3.0, True, "3", None])
+def test_sync_every_must_be_an_int(sync_every):
+    model, inner, outer = tiny()
+    with pytest.raises(TypeError, match="sync_every must be an int >= 1"):
+        ml.DiLoCo(model, inner, outer, aggregator="mean", sync_every=sync_every)
+
+
+@pytest.mark.parametrize("sync_every", [0, -1])
+def test_sync_every_must_be_at_least_one(sync_every):
+    model, inner, outer = tiny()
+    with pytest.raises(ValueError, match=f"sync_every must be >= 1, got {sync_every}"):
+        ml.DiLoCo(model, inner, outer, aggregator="mean", sync_every=sync_every)
+
+
+def test_no_inner_optimizer_is_refused():
+    model, _, outer = tiny()
+    with pytest.raises(ValueError, match="inner_optimizer is empty"):
+        ml.DiLoCo(model, [], outer, aggregator="mean")
+
+
+def test_inner_optimizer_of_another_model_is_refused():
+    model, inner, outer = tiny()
+    stranger = torch.optim.SGD(torch.nn.Linear(4, 3).parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="inner_optimizer 0 holds a tensor that is not a param"):
+        ml.DiLoCo(model, stranger, outer, aggregator="mean")
+    with pytest.raises(ValueError, match="inner_optimizer 1 holds a tensor that is not a param"):
+        ml.DiLoCo(model, [inner, stranger], outer, aggregator="mean")
+
+
+def test_inner_optimizer_that_is_not_an_optimizer_is_refused():
+    model, _, outer = tiny()
+    with pytest.raises(TypeError, match="inner_optimizer 0 is a Tensor, not a torch optimizer"):
+        ml.DiLoCo(model, [model.weight.detach()], outer, aggregator="mean")
+
+
+# -- DiLoCo: load_state_dict ----------------------------------------------------------------------
+def saved_state(sync_every: int = 2) -> dict:
+    """The state of a driver after one outer step and one step into the next turn."""
+    model, inner, outer = tiny()
+    driver = ml.DiLoCo(model, inner, outer, aggregator="mean", sync_every=sync_every)
+    with driver:
+        for _ in range(sync_every + 1):
+            model(torch.ones(2, 4)).sum().backward()
+            inner.step()
+            inner.zero_grad()
+    state = driver.state_dict()
+    assert state["outer_steps"] == 1 and state["local_steps"] == 1
+    return state
+
+
+def fresh_driver(sync_every: int = 2, workers: int = 1) -> tuple[torch.nn.Module, ml.DiLoCo]:
+    model, _, outer = tiny()
+    inners = [torch.optim.SGD(model.parameters(), lr=0.1) for _ in range(workers)]
+    return model, ml.DiLoCo(model, inners, outer, aggregator="mean", sync_every=sync_every)
+
+
+def test_a_valid_state_still_loads():
+    state = saved_state()
+    _, driver = fresh_driver()
+    driver.load_state_dict(state)
+    assert driver.local_steps == 1 and driver.outer_steps == 1
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "message"),
+    [
+        ({"local_steps": 2}, ValueError, r"'local_steps' is 2, outside \[0, sync_every=2\)"),
+        ({"local_steps": 5}, ValueError, r"'local_steps' is 5, outside \[0, sync_every=2\)"),
+        ({"local_steps": -1}, ValueError, r"'local_steps' is -1, outside"),
+        ({"local_steps": 1.0}, TypeError, r"'local_steps' must be an int"),
+        ({"local_steps": True}, TypeError, r"'local_steps' must be an int"),
+        ({"outer_steps": -3}, ValueError, r"'outer_steps' is -3, below 0"),
+        ({"outer_steps": "1"}, TypeError, r"'outer_steps' must be an int"),
+        ({"local_step": 0}, ValueError, r"unknown key 'local_step'"),
+        ({"pending": "x"}, TypeError, r"'pending' must be a list"),
+        ({"pending": [{}]}, ValueError, r"'pending' holds 1 finished turns"),
+        ({"outer": None}, TypeError, r"'outer' must be an optimizer state_dict"),
+        ({"global_params": [1.0]}, TypeError, r"global_params must map parameter names"),
+        ({"global_params": {"weight": torch.zeros(3, 4)}}, ValueError, r"tensor 'bias' differs"),
+    ],
+)
+def test_a_state_this_driver_cannot_go_on_from_is_refused(change, error, message):
+    """Nothing changes: the model and the counters are as they were."""
+    state = {**saved_state(), **change}
+    model, driver = fresh_driver()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(error, match=message):
+        driver.load_state_dict(state)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert driver.local_steps == 0 and driver.outer_steps == 0 and driver.pending == []
+
+
+@pytest.mark.parametrize("key", ["global_params", "local_steps", "outer_steps", "outer"])
+def test_a_state_missing_a_key_names_it(key):
+    state = saved_state()
+    del state[key]
+    _, driver = fresh_driver()
+    with pytest.raises(ValueError, match=f"lacks the key '{key}'"):
+        driver.load_state_dict(state)
+
+
+def test_a_state_saved_with_a_larger_sync_every_is_refused():
+    _, driver = fresh_driver(sync_every=1)
+    with pytest.raises(ValueError, match=r"'local_steps' is 1, outside \[0, sync_every=1\)"):
+        driver.load_state_dict(saved_state(sync_every=3))
+
+
+def test_pending_turns_must_hold_the_parameters_as_tensors():
+    state = saved_state()
+    weight = state["global_params"]["weight"]
+    _, driver = fresh_driver(workers=2)
+    with pytest.raises(ValueError, match="pending turn 0 tensor 'bias' differs"):
+        driver.load_state_dict({**state, "pending": [{"weight": weight}]})
+    with pytest.raises(TypeError, match="pending turn 0 'bias' is a str, not a tensor"):
+        driver.load_state_dict({**state, "pending": [{"weight": weight, "bias": "x"}]})
+    driver.load_state_dict({**state, "pending": [dict(state["global_params"])]})
+    assert len(driver.pending) == 1
+
+
+# -- OuterOptimizer -------------------------------------------------------------------------------
+@pytest.mark.parametrize("lr", [float("nan"), float("inf"), -float("inf"), 0.0, -0.5])
+def test_outer_lr_must_be_finite_and_positive(lr):
+    with pytest.raises(ValueError, match="OuterOptimizer lr must be finite and > 0"):
+        ml.OuterOptimizer({"w": torch.zeros(2)}, lr=lr)
+
+
+@pytest.mark.parametrize("momentum", [float("nan"), float("inf"), -0.1, 1.0, 1.5])
+def test_outer_momentum_must_lie_in_zero_one(momentum):
+    with pytest.raises(ValueError, match=r"OuterOptimizer momentum must lie in \[0, 1\)"):
+        ml.OuterOptimizer({"w": torch.zeros(2)}, lr=0.7, momentum=momentum)
+
+
+@pytest.mark.parametrize(("option", "value"), [("lr", "0.7"), ("momentum", None), ("lr", True)])
+def test_outer_rates_must_be_numbers(option, value):
+    with pytest.raises(TypeError, match=f"OuterOptimizer {option} must be a real number"):
+        ml.OuterOptimizer({"w": torch.zeros(2)}, **{"lr": 0.7, option: value})
+
+
+def test_outer_params_must_map_names_to_tensors():
+    with pytest.raises(TypeError, match="params must be a mapping of name -> tensor"):
+        ml.OuterOptimizer([torch.zeros(2)], lr=0.7)
+    with pytest.raises(TypeError, match="params: 'w' is a list, not a tensor"):
+        ml.OuterOptimizer({"w": [0.0, 0.0]}, lr=0.7)
+
+
+def test_valid_outer_options_still_step():
+    params = {"w": torch.zeros(2, dtype=torch.float64)}
+    outer = ml.OuterOptimizer(params, lr=0.5, momentum=0.0)
+    outer.step([ml.TaskVector({"w": torch.ones(2, dtype=torch.float64)})])
+    assert torch.equal(params["w"], torch.full((2,), 0.5, dtype=torch.float64))
+
+
+def test_outer_step_with_deltas_of_different_shapes_names_the_tensor():
+    params = {"w": torch.zeros(2, 2), "b": torch.zeros(2)}
+    outer = ml.OuterOptimizer(params, "mean", lr=1.0, momentum=0.9)
+    good = ml.TaskVector({"w": torch.ones(2, 2), "b": torch.ones(2)})
+    bad = ml.TaskVector({"w": torch.ones(2, 3), "b": torch.ones(2)})
+    with pytest.raises(ValueError, match=r"worker delta 2: tensor 'w' is \[2, 3\] but the para"):
+        outer.step([good, bad])
+    assert torch.equal(params["w"], torch.zeros(2, 2)) and outer.steps_taken == 0
+
+
+# -- merge methods and TaskVector -----------------------------------------------------------------
+@pytest.mark.parametrize("method", ["mean", "ta", "ties", "tsv", "iso-c"])
+def test_merge_of_deltas_of_different_shapes_names_the_tensor(method):
+    first = ml.TaskVector({"b": torch.ones(3), "w": torch.ones(3, 4)})
+    second = ml.TaskVector({"b": torch.ones(3), "w": torch.ones(4, 3)})
+    with pytest.raises(ValueError, match=r"tensor 'w' is \[4, 3\] in task vector 2 but \[3, 4\]"):
+        ml.get_method(method).merge([first, second])
+
+
+def test_task_vector_refuses_values_that_are_not_tensors():
+    with pytest.raises(TypeError, match="the delta of 'w' is a str, not a torch.Tensor"):
+        ml.TaskVector({"w": "x"})
+    with pytest.raises(TypeError, match="the delta of 'b' is a list"):
+        ml.TaskVector({"w": torch.zeros(2), "b": [1.0]})
+    with pytest.raises(TypeError, match="TaskVector takes a mapping of tensor name -> delta"):
+        ml.TaskVector([torch.zeros(2)])
