@@ -8,26 +8,16 @@ OUT/
   final/               the trained model as a Hugging Face folder (after the last round)
 ```
 A sweep (``mloco compare -o DIR``) holds one such folder per cell under ``DIR/runs/``. Every run
-folder carries the ownership marker of :mod:`mergekit_loco.io.atomic`; ``--force`` starts over
-only in a folder that has it (:func:`check_run_replaceable`).
+folder carries the ownership marker of :mod:`mergekit_loco.io.atomic` (kind :data:`RUN_KIND`); a
+new run starts only in a new or empty folder or one of them, and ``--force`` deletes only what a
+run writes there (:func:`mergekit_loco.train.run_folder.check_output`).
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable
 from pathlib import Path
 
-from mergekit_loco.io.atomic import (
-    OWNER_MARKER,
-    OutputRefused,
-    claim_folder,
-    foreign_entry,
-    is_ours,
-    overlapping_input,
-    remove_output,
-)
-from mergekit_loco.io.files import shown
+from mergekit_loco.io.atomic import claim_folder, remove_output
 
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
@@ -35,8 +25,10 @@ CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 FINAL = "final"
 SWEEP_RUNS = "runs"
-#: Entries of ``checkpoints/``: round folders, staging folders of crashed saves, the pointer.
-ROUND_ENTRY = re.compile(r"\.?round-\d+(\.tmp-\w+)?|latest|\.latest\.\w+\.tmp")
+#: The ``kind`` in a sweep folder's ownership marker.
+SWEEP_KIND = "compare sweep"
+#: The ``kind`` in a run folder's ownership marker.
+RUN_KIND = "training run"
 
 
 def previous_run(out: Path) -> list[Path]:
@@ -45,48 +37,9 @@ def previous_run(out: Path) -> list[Path]:
             or (out / name).exists()]  # fmt: skip
 
 
-def check_run_replaceable(out: Path, inputs: Iterable[str | Path | None]) -> None:
-    """Refuse ``--force`` over ``out`` unless this tool wrote it (its marker), each file it would
-    delete is what a run writes there, and none of them is, holds or lies inside an input."""
-    if not is_ours(out):
-        raise OutputRefused(
-            f"{shown(out)}: --force starts over only in a run folder mergekit_loco wrote (it has "
-            f"no {OWNER_MARKER}); remove the old run yourself or choose another --out"
-        )
-    for path in previous_run(out):
-        source = overlapping_input(path, inputs)
-        if source is not None:
-            raise OutputRefused(
-                f"{shown(path)}: --force would delete the input {shown(source)}; choose another "
-                "--out"
-            )
-        if not looks_written_by_a_run(path):
-            raise OutputRefused(
-                f"{shown(path)}: does not hold what a run writes there; --force refused (remove "
-                "it yourself or choose another --out)"
-            )
-
-
-def looks_written_by_a_run(path: Path) -> bool:
-    """``metrics.jsonl`` a regular file, ``checkpoints/`` only round folders and the pointer,
-    ``final/`` a model this tool wrote or a plain checkpoint; no symlink anywhere on top."""
-    if path.is_symlink():
-        return False
-    if path.name == METRICS:
-        return path.is_file()
-    if path.name == FINAL:
-        return foreign_entry(path) is None
-    return path.is_dir() and all(
-        not entry.is_symlink() and ROUND_ENTRY.fullmatch(entry.name) is not None
-        for entry in path.iterdir()
-    )
-
-
 def clear_previous_run(out: Path) -> None:
-    """Delete what :func:`check_run_replaceable` allowed; mark ``out`` as ours if it is new or
-    empty (a folder holding the user's other files is used, never marked)."""
-    out.mkdir(parents=True, exist_ok=True)
+    """Delete what :func:`mergekit_loco.train.run_folder.check_output` allowed; mark ``out`` as
+    ours if it is new or empty."""
+    claim_folder(out, RUN_KIND)
     for path in previous_run(out):
         remove_output(path)
-    if not is_ours(out):
-        claim_folder(out, "training run")

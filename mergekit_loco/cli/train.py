@@ -31,6 +31,7 @@ from mergekit_loco.train.config import (
     aggregator_preset,
     default,
     given_options,
+    read_options,
     resolve_config,
 )
 
@@ -75,6 +76,19 @@ def describe_outer(config: TrainConfig, given: dict[str, str]) -> str:
         f"{outer.aggregator} of the worker deltas, then SGD with lr {outer.lr}, {momentum} "
         f"({source})"
     )
+
+
+def check_not_resume_and_force(config_file: Path | None, flags: dict) -> None:
+    """Refuse ``--resume`` with ``--force`` (as flags or in the config file): one continues the
+    run in --out, the other starts it over. Checked on what the user gave, not on the resolved
+    config (a run started with --force saves ``force = true`` in its config.json)."""
+    from_file, from_flags, names = read_options(config_file, flags)
+    given = {**from_file, **from_flags}
+    if given.get("resume") and given.get("force"):
+        raise ValueError(
+            f"{names['resume']} and {names['force']} do not go together: --resume continues the "
+            "run in --out from its latest checkpoint, --force starts it over; pass one of them"
+        )
 
 
 @user_errors
@@ -283,6 +297,7 @@ def train_command(
         quiet=quiet or None,
         aggregator_options=aggregator_options or None,
     )  # fmt: skip
+    check_not_resume_and_force(config, flags)
     run_config = resolve_config(config, **flags)
     thread_count, thread_reason = choose_threads(threads)
 

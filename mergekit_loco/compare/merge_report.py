@@ -18,7 +18,7 @@ from rich.table import Table
 
 from mergekit_loco.compare.stats import Spread, format_interval, paired_interval, spread
 from mergekit_loco.compare.tables import csv_text, format_loss, json_value
-from mergekit_loco.io.atomic import write_atomically
+from mergekit_loco.io.atomic import check_free_or_ours, claim_folder, write_atomically
 from mergekit_loco.io.files import read_json
 
 EVALUATIONS = "evaluations.json"
@@ -229,8 +229,11 @@ def report_documents(
 ) -> list[MergeRow]:
     """Tables (merge_results.csv: every model, scale and split; merge_summary.csv and
     merge_results.json: the chosen rows) and merging.png of the merge comparisons
-    ``documents`` (by fine-tune set name), written to ``out``."""
+    ``documents`` (by fine-tune set name), written to ``out``: a new or empty folder, one of
+    ours, or one holding nothing but ``evaluations.json`` (then marked as ours), never another
+    (:func:`~mergekit_loco.io.atomic.check_free_or_ours`)."""
     out = Path(out)
+    check_free_or_ours(out, "the report folder", reads=(EVALUATIONS,))
     summary = summarize_merges(documents)
     domains = next(iter(documents.values()))["domains"]
     records = [
@@ -241,6 +244,7 @@ def report_documents(
     columns = ["set", "label", "kind", "method", "scale", "split"]
     columns += [f"loss_{d}" for d in domains] + [f"normalized_{d}" for d in domains]
     columns += ["loss", "normalized", "gain_kept"]
+    claim_folder(out, "merge report", reads=(EVALUATIONS,))
     write_atomically(out / "merge_results.csv", csv_text(records, columns))
     summary_rows = merge_summary_records(summary)
     write_atomically(out / "merge_summary.csv", csv_text(summary_rows, list(summary_rows[0])))

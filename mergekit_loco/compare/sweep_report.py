@@ -20,7 +20,7 @@ from mergekit_loco import run_layout
 from mergekit_loco.compare.runs import BASELINE, RESULTS_CSV, RUN_COLUMNS, Run, load_runs
 from mergekit_loco.compare.stats import Spread, format_interval, ordering, paired_interval, spread
 from mergekit_loco.compare.tables import csv_text, format_loss, format_number, json_value
-from mergekit_loco.io.atomic import write_atomically
+from mergekit_loco.io.atomic import check_free_or_ours, claim_folder, write_atomically
 
 #: an outer setting: (outer lr, outer momentum); (None, None) for the baseline.
 Setting = tuple[float | None, float | None]
@@ -343,14 +343,18 @@ def report_sweep(
     results_dir: str | Path, console: Console | None = None, figures: bool = True
 ) -> list[SummaryRow]:
     """Re-render a sweep from ``results_dir/runs``: tables (results.csv, summary.csv,
-    results.json, tuned.json), the terminal tables, and loss_vs_workers.png + curves.png."""
+    results.json, tuned.json), the terminal tables, and loss_vs_workers.png + curves.png. Only
+    into a folder of ours or one holding nothing but ``runs/`` (then marked as a sweep's):
+    :func:`~mergekit_loco.io.atomic.check_free_or_ours`."""
     out = Path(results_dir)
     if not (out / run_layout.SWEEP_RUNS).is_dir():  # a published results.csv has no curves
         raise FileNotFoundError(f"{out / run_layout.SWEEP_RUNS}: no runs to re-render")
+    check_free_or_ours(out, "the report folder", reads=(run_layout.SWEEP_RUNS,))
     runs = load_runs(out)
     if not runs:
         raise FileNotFoundError(f"{out}: no runs yet")
     summary = summarize(runs)
+    claim_folder(out, run_layout.SWEEP_KIND, reads=(run_layout.SWEEP_RUNS,))
     write_sweep_tables(runs, summary, out)
     if figures and summary:
         from mergekit_loco.compare import figures as plots

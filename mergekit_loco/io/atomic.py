@@ -12,7 +12,9 @@ Two writers, one rule each:
 A folder this tool creates carries :data:`OWNER_MARKER`. :func:`check_output` decides whether an
 existing output may be replaced (``--force``): only a checkpoint and nothing else
 (:func:`foreign_entry`; a user's file added to an output of ours keeps it), never a symlink,
-never a path that holds, or lies inside, one of the run's inputs.
+never a path that holds, or lies inside, one of the run's inputs. :func:`check_free_or_ours`
+decides whether a command may write into an existing folder (a run's ``--out``, a results or
+report folder): only one that is empty or ours, with or without ``--force``.
 """
 
 from __future__ import annotations
@@ -23,11 +25,11 @@ import shutil
 import signal
 import tempfile
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from mergekit_loco.io.files import shown
+from mergekit_loco.io.files import UnsafeInputError, read_json, shown
 
 #: The name ending of a sharded checkpoint's index file (its shards lie in its folder).
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -87,11 +89,12 @@ def mark_output(folder: Path, kind: str) -> None:
     write_atomically(folder / OWNER_MARKER, json.dumps(marker) + "\n")
 
 
-def claim_folder(folder: Path, kind: str) -> None:
-    """Create ``folder`` (and parents) and mark it as ours if it is new or empty; a folder that
-    already holds other files is used but not marked (so ``--force`` never treats it as ours)."""
+def claim_folder(folder: Path, kind: str, reads: Collection[str] = ()) -> None:
+    """Create ``folder`` (and parents) and mark it as ours if it is new, empty or holds only the
+    entries named ``reads`` (what the command reads there); a folder that holds other files is
+    used but not marked (so ``--force`` never treats it as ours)."""
     folder.mkdir(parents=True, exist_ok=True)
-    if not any(folder.iterdir()):
+    if not is_ours(folder) and all(entry.name in reads for entry in folder.iterdir()):
         mark_output(folder, kind)
 
 
@@ -100,6 +103,48 @@ def is_ours(folder: Path) -> bool:
     marker = folder / OWNER_MARKER
     real = not (folder.is_symlink() or marker.is_symlink())
     return real and folder.is_dir() and marker.is_file()
+
+
+def marked_kind(folder: Path) -> str | None:
+    """The ``kind`` our marker in ``folder`` names (:func:`mark_output`); None if the folder is
+    not ours (:func:`is_ours`) or its marker names none."""
+    if not is_ours(folder):
+        return None
+    try:
+        marker = read_json(folder / OWNER_MARKER, "ownership marker", limit=4096)
+    except UnsafeInputError:
+        return None
+    kind = marker.get("kind") if isinstance(marker, dict) else None
+    return kind if isinstance(kind, str) else None
+
+
+def check_free_or_ours(
+    folder: Path, what: str, kind: str | None = None, reads: Collection[str] = ()
+) -> None:
+    """Refuse to write into ``folder`` unless it is new, ours (:func:`is_ours`; marked ``kind``
+    when given: a model folder inside a run is no run folder), or holds nothing but the entries
+    named ``reads`` (what the command reads there); never a symlink or a file. ``--force``
+    changes nothing here. The message names the folder and a file it holds."""
+    if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+        what_it_is = "a symlink" if folder.is_symlink() else "not a folder"
+        raise OutputRefused(
+            f"{shown(folder)}: {what} is {what_it_is}; refused (choose another folder)"
+        )
+    if not folder.exists() or (is_ours(folder) and kind in (None, marked_kind(folder))):
+        return
+    held = sorted(entry.name for entry in folder.iterdir() if entry.name not in reads)
+    if not held:
+        return
+    named = next((name for name in held if name != OWNER_MARKER), held[0])
+    whose = (
+        f"is a {shown(marked_kind(folder) or 'folder')} mergekit_loco wrote, not a {kind}"
+        if is_ours(folder)
+        else f"holds files mergekit_loco did not write (no {OWNER_MARKER})"
+    )
+    raise OutputRefused(
+        f"{shown(folder)}: {what} {whose}: it holds {shown(named)}; refused even with --force: "
+        "choose a new or empty folder"
+    )
 
 
 def foreign_entry(path: Path) -> Path | None:
@@ -204,24 +249,15 @@ def check_results_folder(
     out: Path, inputs: Iterable[str | Path | None], subfolders: Iterable[str] = ()
 ) -> None:
     """Refuse a results folder (``mloco compare -o``, resumed in place) unless it is new, empty
-    or ours (:func:`is_ours`; ``--force`` changes nothing here), is no symlink or file, does not
-    overlap an input, and no entry of it or of its ``subfolders`` is a symlink."""
+    or ours (:func:`check_free_or_ours`), does not overlap an input, and no entry of it or of
+    its ``subfolders`` is a symlink."""
     source = overlapping_input(out, inputs)
     if source is not None:
         raise OutputRefused(
             f"{shown(out)}: -o would overlap the input {shown(source)} (it is, holds or lies "
             "inside it); choose another results folder"
         )
-    if out.is_symlink() or (out.exists() and not out.is_dir()):
-        what = "a symlink" if out.is_symlink() else "not a folder"
-        raise OutputRefused(f"{shown(out)}: -o is {what}; refused (choose another folder)")
-    if not out.exists():
-        return
-    if any(out.iterdir()) and not is_ours(out):
-        raise OutputRefused(
-            f"{shown(out)}: -o holds files mergekit_loco did not write (no {OWNER_MARKER}); "
-            "refused even with --force: choose a new or empty folder"
-        )
+    check_free_or_ours(out, "-o")
     for folder in (out, *(out / name for name in subfolders)):
         entries = sorted(folder.iterdir()) if folder.is_dir() else []
         for entry in entries:

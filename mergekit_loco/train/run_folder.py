@@ -4,29 +4,52 @@ metrics, write the final model."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
 from transformers import PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
-from mergekit_loco.io.atomic import OutputRefused, staged_output, write_atomically
+from mergekit_loco.io.atomic import (
+    OWNER_MARKER,
+    OutputRefused,
+    check_free_or_ours,
+    foreign_entry,
+    overlapping_input,
+    settled,
+    staged_output,
+    write_atomically,
+)
 from mergekit_loco.io.files import UnsafeInputError, parse_json, read_limited, shown
 from mergekit_loco.run_layout import (
     CHECKPOINTS,
-    check_run_replaceable,
+    FINAL,
+    LATEST,
+    METRICS,
+    RUN_KIND,
     clear_previous_run,
     previous_run,
 )
-from mergekit_loco.train.checkpoint import STATE, latest_checkpoint, read_state, reading
+from mergekit_loco.train.checkpoint import (
+    FILE_NAME,
+    MANIFEST,
+    ROUND_NAME,
+    STAGING_NAME,
+    STATE,
+    latest_checkpoint,
+    read_state,
+    reading,
+)
 from mergekit_loco.train.config import TrainConfig
 from mergekit_loco.train.sources import cache_root, split_sources
 from mergekit_loco.train.workers import WorkerGroup
 
 
 def check_output(out: Path, config: TrainConfig) -> Path | None:
-    """The checkpoint to resume from (``resume``), else make sure ``out`` holds no other run
-    (unless ``force``). Refuses a resume whose run-defining config differs. Writes nothing."""
+    """The checkpoint to resume from (``resume``), else make sure ``out`` is new, empty or a run
+    folder of ours (:func:`check_new_out`) that holds no other run (unless ``force``). Refuses a
+    resume whose run-defining config differs. Writes nothing."""
     check_out_outside_inputs(out, config)
     if config.checkpoint.resume:
         checkpoint = latest_checkpoint(out)
@@ -40,14 +63,87 @@ def check_output(out: Path, config: TrainConfig) -> Path | None:
                 "pass the same options, or --allow-config-change to resume anyway"
             )
         return checkpoint
+    check_new_out(out)
     previous = previous_run(out)
     if previous and not config.checkpoint.force:
         raise ValueError(
             f"{out} already holds a run ({', '.join(p.name for p in previous)}); pass --resume "
             "to continue it, --force to start over, or choose another --out"
         )
-    if previous:  # --force: only over a run we wrote, never deleting an input
+    if previous:  # --force: only what a run writes, never deleting an input
         check_run_replaceable(out, run_inputs(config))
+    return None
+
+
+def check_new_out(out: Path) -> None:
+    """A new run's ``--out``: named (not ``.`` or ``/``), and new, empty or a run folder of ours
+    (its marker, :data:`~mergekit_loco.run_layout.RUN_KIND`; not the final model inside one);
+    refused with or without ``force``."""
+    if settled(out).name in ("", "."):
+        raise OutputRefused(
+            f"{shown(out)}: name the output, like --out {shown(settled(out) / 'run')}"
+        )
+    check_free_or_ours(out, "--out", RUN_KIND)
+
+
+def check_run_replaceable(out: Path, inputs: list[str]) -> None:
+    """Refuse ``--force`` over the run folder ``out`` (:func:`check_new_out`) unless each file it
+    would delete is what a run writes there (:func:`not_written_by_a_run`) and none of them is,
+    holds or lies inside an input."""
+    for path in previous_run(out):
+        source = overlapping_input(path, inputs)
+        if source is not None:
+            raise OutputRefused(
+                f"{shown(path)}: --force would delete the input {shown(source)}; choose another "
+                "--out"
+            )
+        foreign = not_written_by_a_run(path)
+        if foreign is not None:
+            holds = "" if foreign == path else f" (it holds {shown(foreign.relative_to(path))})"
+            raise OutputRefused(
+                f"{shown(path)}: does not hold what a run writes there{holds}; --force refused "
+                "(remove it yourself or choose another --out)"
+            )
+
+
+def not_written_by_a_run(path: Path) -> Path | None:
+    """The first entry of ``path`` (or ``path`` itself) that a run does not write there, None
+    when there is none: ``metrics.jsonl`` a regular file, ``final/`` a model (only checkpoint
+    files, :func:`~mergekit_loco.io.atomic.foreign_entry`), ``checkpoints/`` only what a save
+    writes (:func:`not_a_checkpoint`); no symlink anywhere."""
+    if path.is_symlink():
+        return path
+    if path.name == METRICS:
+        return None if path.is_file() else path
+    if path.name == FINAL:
+        return foreign_entry(path)
+    if not path.is_dir():
+        return path
+    foreign = (not_a_checkpoint(entry) for entry in sorted(path.iterdir()))
+    return next((entry for entry in foreign if entry is not None), None)
+
+
+#: ``checkpoints/latest`` while it is rewritten (:func:`~mergekit_loco.io.atomic.write_atomically`).
+POINTER_TEMP = re.compile(rf"\.{LATEST}\.\w+\.tmp")
+
+
+def not_a_checkpoint(entry: Path) -> Path | None:
+    """``entry`` of ``checkpoints/``, or the first file inside it, unless it is what a save
+    writes (:mod:`mergekit_loco.train.checkpoint`): the ``latest`` pointer (or its temp file) a
+    regular file, a round folder (or a crashed save's staging folder) holding only regular
+    checkpoint files (``state.json``, ``global.safetensors``, ``*.pt``, the manifest, the
+    marker). None when it is."""
+    if entry.is_symlink():
+        return entry
+    if entry.name == LATEST or POINTER_TEMP.fullmatch(entry.name):
+        return None if entry.is_file() else entry
+    is_round = ROUND_NAME.fullmatch(entry.name) or STAGING_NAME.fullmatch(entry.name)
+    if not (is_round and entry.is_dir()):
+        return entry
+    for file in sorted(entry.iterdir()):
+        named = FILE_NAME.fullmatch(file.name) or file.name in (MANIFEST, OWNER_MARKER)
+        if file.is_symlink() or not file.is_file() or not named:
+            return file
     return None
 
 
