@@ -186,6 +186,8 @@ def test_out_of_range_options_are_one_line(capsys, tmp_path, option, fragment):
 @pytest.mark.parametrize(("file", "content", "fragment"), [
     ("metrics.jsonl", '{"event": "round", "round": 1}\n[1, 2\n', "metrics.jsonl:2: not valid JSON"),
     ("metrics.jsonl", '{"event": "round", "round": "one"}\n', "not a metrics event"),
+    ("metrics.jsonl", "x" * 70_000 + "\n", "metrics.jsonl:1: a line over 65536 bytes"),
+    ("metrics.jsonl", "sparse", "more than a metrics file may hold"),
     ("config.json", "[]", "not a JSON object"),
     ("config.json", "fifo", "is a FIFO"),
 ])  # fmt: skip
@@ -196,6 +198,9 @@ def test_resume_with_a_damaged_run_file_names_it(capsys, tmp_path, corpus, stopp
     (run / file).unlink()
     if content == "fifo":
         os.mkfifo(run / file)
+    elif content == "sparse":  # 300 MB on paper, nothing on disk: refused by its size alone
+        with open(run / file, "wb") as handle:
+            handle.truncate(300_000_000)
     else:
         (run / file).write_text(content)
     before = snapshot(tmp_path)

@@ -21,7 +21,7 @@ from mergekit_loco.io.atomic import (
     staged_output,
     write_atomically,
 )
-from mergekit_loco.io.files import UnsafeInputError, parse_json, read_limited, shown
+from mergekit_loco.io.files import UnsafeInputError, parse_json, read_lines, shown
 from mergekit_loco.run_layout import (
     CHECKPOINTS,
     FINAL,
@@ -192,25 +192,30 @@ def save_final(folder: Path, model: torch.nn.Module, tokenizer: PreTrainedTokeni
 
 
 def read_events(path: Path) -> list[tuple[str, dict]]:
-    """The non-empty lines of ``metrics.jsonl`` with their JSON objects; a line that is not a
-    JSON object with an integer round is an error naming the file and line."""
+    """The non-empty lines of ``metrics.jsonl`` with their JSON objects, streamed; a line that
+    is not a JSON object with an integer round, or is longer than ``MAX_EVENT_BYTES``, is an
+    error naming the file and line."""
     events = []
-    text = read_limited(path, MAX_METRICS_BYTES, "metrics file").decode("utf-8", "replace")
-    for number, line in enumerate(text.splitlines(), start=1):
+    lines = read_lines(path, MAX_METRICS_BYTES, "metrics file", MAX_EVENT_BYTES)
+    for number, line in enumerate(lines, start=1):
+        where = f"{shown(path)}:{number}"
+        if line is None:
+            raise ValueError(f"{where}: a line over {MAX_EVENT_BYTES} bytes; a damaged metrics log")
         if not line.strip():
             continue
         try:
-            event = parse_json(line.encode(), f"{shown(path)}:{number}")
+            event = parse_json(line, where)
         except UnsafeInputError as error:
             raise ValueError(f"{error}; a damaged metrics log (fix or delete that line)") from None
         if not isinstance(event, dict) or type(event.get("round", 0)) is not int:
-            raise ValueError(f"{shown(path)}:{number}: not a metrics event (a JSON object)")
-        events.append((line, event))
+            raise ValueError(f"{where}: not a metrics event (a JSON object)")
+        events.append((line.decode(), event))
     return events
 
 
-#: Bound on ``metrics.jsonl`` read on resume (a run writes a few hundred bytes a round).
-MAX_METRICS_BYTES = 1 << 30
+#: Bounds on ``metrics.jsonl`` read on resume (a run writes a few hundred bytes a round).
+MAX_METRICS_BYTES = 1 << 28
+MAX_EVENT_BYTES = 1 << 16
 
 
 class MetricsLog:
