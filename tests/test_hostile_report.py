@@ -89,3 +89,51 @@ def test_losses_near_the_float_maximum_have_a_spread():
     result = spread(values)
     assert math.isclose(result.mean, statistics.fmean(values), rel_tol=1e-12)
     assert math.isclose(result.std, statistics.stdev(values), rel_tol=1e-12)
+
+
+def evaluations(**changes) -> dict:
+    """A well-formed evaluations.json of one domain (base, its fine-tune, one merge), changed."""
+    losses = {"code": {"select": 4.0, "test": 4.1}}
+    models = [
+        {"label": "base", "kind": "base", "method": None, "scale": None, "losses": losses},
+        {"label": "finetune:code", "kind": "finetuned", "method": None, "scale": None,
+         "losses": {"code": {"select": 3.0, "test": 3.1}}},
+        {"label": "ta@1", "kind": "merge", "method": "ta", "scale": 1.0, "losses": losses},
+    ]  # fmt: skip
+    return {"domains": ["code"], "models": models, **changes}
+
+
+def test_a_well_formed_evaluations_file_reports(capsys, tmp_path):
+    folder = tmp_path / "merge"
+    folder.mkdir()
+    (folder / "evaluations.json").write_text(json.dumps(evaluations()))
+    code, err, _ = run_cli(capsys, "report", folder, "--no-figures")
+    assert code == 0, err
+
+
+MODELS = evaluations()["models"]
+
+
+@pytest.mark.parametrize(("document", "fragment"), [
+    ({}, "'domains' must be a non-empty list of names"),
+    (evaluations(domains=[]), "'domains' must be a non-empty list of names"),
+    (evaluations(models=MODELS[1:]), "'models' must hold exactly one base"),
+    (evaluations(models=[MODELS[0], MODELS[2]]), "no model 'finetune:code'"),
+    (evaluations(models=[*MODELS[:2], {**MODELS[2], "scale": "big"}]), "a merge needs a 'method'"),
+    (evaluations(models=[{**MODELS[0], "losses": {"code": {"select": 0, "test": 1}}}, *MODELS[1:]]),
+     "models[0]: the select loss on 'code' must be a positive number"),
+    (evaluations(models=[{**MODELS[0], "losses": {"code": {"select": None}}}, *MODELS[1:]]),
+     "must be a positive number"),
+    (evaluations(models=[{**MODELS[0], "losses": {"code": {}, "prose": {}}}, *MODELS[1:]]),
+     "'losses' must hold exactly the domains ['code']"),
+    (evaluations(models=[{"kind": "base"}, *MODELS[1:]]), "models[0] needs a 'label' string"),
+])  # fmt: skip
+def test_a_damaged_evaluations_file_is_named(capsys, tmp_path, document, fragment):
+    """Before: StopIteration, ZeroDivisionError, TypeError, or ``error: domains``."""
+    folder = tmp_path / "merge"
+    folder.mkdir()
+    (folder / "evaluations.json").write_text(json.dumps(document))
+    before = snapshot(tmp_path)
+    code, err, _ = run_cli(capsys, "report", folder)
+    assert_refused(code, err, str(folder / "evaluations.json"), fragment)
+    assert snapshot(tmp_path) == before

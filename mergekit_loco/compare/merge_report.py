@@ -48,6 +48,51 @@ class MergeRow:
 
 #: the reference merge of the report's "vs mean" column: plain averaging (DiLoCo's aggregator).
 REFERENCE_MERGE = "mean"
+MODEL_KINDS = ("base", "finetuned", "merge")
+
+
+def check_evaluations(document: object, where: str) -> None:
+    """Refuse, naming ``where`` and the entry, evaluations a report cannot read: ``domains`` a
+    non-empty list of distinct names; ``models`` with one ``base``, a ``finetune:DOMAIN`` for
+    every domain, and for each model a label, a kind, a method and finite scale for merges, and
+    a positive finite loss per domain and split."""
+    if not isinstance(document, dict):
+        raise ValueError(f"{where}: not a JSON object")
+    domains, models = document.get("domains"), document.get("models")
+    if not (isinstance(domains, list) and domains and all(isinstance(d, str) for d in domains)):
+        raise ValueError(f"{where}: 'domains' must be a non-empty list of names")
+    if len(set(domains)) != len(domains) or not isinstance(models, list):
+        raise ValueError(f"{where}: 'domains' names one twice, or 'models' is not a list")
+    for index, model in enumerate(models):
+        entry = f"{where}: models[{index}]"
+        if not isinstance(model, dict) or not isinstance(model.get("label"), str):
+            raise ValueError(f"{entry} needs a 'label' string")
+        if model.get("kind") not in MODEL_KINDS:
+            raise ValueError(f"{entry}: 'kind' must be one of {', '.join(MODEL_KINDS)}")
+        merge = model["kind"] == "merge"
+        scale = model.get("scale")
+        if merge and not (isinstance(model.get("method"), str) and is_finite_number(scale)):
+            raise ValueError(f"{entry}: a merge needs a 'method' name and a finite 'scale'")
+        losses = model.get("losses")
+        if not isinstance(losses, dict) or set(losses) != set(domains):
+            raise ValueError(f"{entry}: 'losses' must hold exactly the domains {domains}")
+        for domain in domains:
+            for split in MERGE_SPLITS:
+                loss = losses[domain].get(split) if isinstance(losses[domain], dict) else None
+                if not (is_finite_number(loss) and loss > 0):
+                    raise ValueError(
+                        f"{entry}: the {split} loss on {domain!r} must be a positive number"
+                    )
+    labels = [model["label"] for model in models]
+    if [model["kind"] for model in models].count("base") != 1:
+        raise ValueError(f"{where}: 'models' must hold exactly one base")
+    for domain in domains:
+        if f"finetune:{domain}" not in labels:
+            raise ValueError(f"{where}: no model 'finetune:{domain}' (the fine-tune of {domain!r})")
+
+
+def is_finite_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def merge_scores(document: Mapping, losses: Mapping[str, Mapping[str, float]], split: str) -> dict:
@@ -200,6 +245,7 @@ def report_merges(
         if Path(folder).name in documents:
             raise ValueError(f"merge folders need distinct names: {Path(folder).name} twice")
         documents[Path(folder).name] = read_json(path, "merge evaluations")
+        check_evaluations(documents[Path(folder).name], str(path))
     return report_documents(documents, out, console, figures)
 
 
