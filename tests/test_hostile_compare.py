@@ -138,3 +138,13 @@ def test_merge_mode_refuses_a_symlink_under_merged(capsys, models, tmp_path):
     code, err, _ = run_cli(capsys, *merge_args(models, out, "--force"))
     assert_refused(code, err, str(out / "merged" / "ta-1"), "symlink")
     assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("option", ["--aggregators", "--workers", "--inner-steps", "--seeds"])
+def test_a_list_option_holding_no_values_is_named(capsys, tmp_path, corpus, option):
+    """Before: ``--aggregators ,`` ran only the baseline, ``--workers ,`` an IndexError."""
+    args = [arg for arg in SWEEP if not arg.startswith(option)]
+    before = snapshot(tmp_path)
+    code, err, _ = run_cli(capsys, *args, f"{option}=,", "--data", corpus, "-o", tmp_path / "o")
+    assert_refused(code, err, f"{option}: ',' holds no values")
+    assert snapshot(tmp_path) == before

@@ -24,10 +24,13 @@ DEFAULT_MERGE_METHODS = "mean,ta,ties,dare,tsv,iso-c,iso-cts"
 
 
 def split_list(option: str, text: str | None, kind: type = str) -> list:
-    """``"1,2,4"`` -> ``[1, 2, 4]``; names the option when a value does not parse."""
+    """``"1,2,4"`` -> ``[1, 2, 4]``; names the option when a value does not parse, or when it
+    holds none (``","`` ran only the baseline, or failed on an empty list)."""
     if text is None:
         return []
     items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise ValueError(f"{option}: {text!r} holds no values; give a comma-separated list")
     try:
         return [kind(item) for item in items]
     except ValueError:
