@@ -18,7 +18,6 @@ from mergekit_loco.cli.common import (
     EXIT_INTERRUPTED,
     Debug,
     Quiet,
-    check_seed,
     one_line,
     print_error,
     user_errors,
@@ -35,6 +34,8 @@ from mergekit_loco.train.config import (
     resolve_config,
 )
 
+#: --threads at most this many times the CPUs: torch starts every thread it is given.
+THREADS_PER_CPU = 4
 #: The run failed while running (diverged, or a torchrun peer died or hung); the message names
 #: the last good checkpoint. Bad input is 2, an interruption 130.
 EXIT_RUN_FAILED = 1
@@ -80,8 +81,9 @@ def describe_outer(config: TrainConfig, given: dict[str, str]) -> str:
 
 def check_not_resume_and_force(config_file: Path | None, flags: dict) -> None:
     """Refuse ``--resume`` with ``--force`` (as flags or in the config file): one continues the
-    run in --out, the other starts it over. Checked on what the user gave, not on the resolved
-    config (a run started with --force saves ``force = true`` in its config.json)."""
+    run in --out, the other starts it over. Checked on what the user gave, before
+    :func:`resolve_config` refuses either in a config file (config.json of earlier versions
+    saved ``force = true``)."""
     from_file, from_flags, names = read_options(config_file, flags)
     given = {**from_file, **from_flags}
     if given.get("resume") and given.get("force"):
@@ -276,8 +278,12 @@ def train_command(
     debug: Debug = False,
 ) -> None:
     """DiLoCo training where any merge method is the aggregator (or a data-parallel baseline)."""
-    if seed is not None:
-        check_seed(seed)
+    max_threads = THREADS_PER_CPU * (os.cpu_count() or 1)
+    if threads is not None and threads > max_threads:
+        raise ValueError(
+            f"--threads {threads} is more than {THREADS_PER_CPU} per CPU ({os.cpu_count()} "
+            f"CPUs); choose at most {max_threads}"
+        )
     aggregator_options = parse_aggregator_options(option or [])
     named = {"density": density, "gamma": gamma, "common_fraction": common_fraction,
              "spectral": spectral}  # fmt: skip

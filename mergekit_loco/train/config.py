@@ -3,7 +3,9 @@ presets, a TOML/YAML/JSON file and flags fill by their flat option names.
 
 Precedence, lowest first: dataclass defaults < preset < config file < flags. When resuming
 (``resume=True``) the run's saved ``config.json`` takes the place of the defaults, so
-``--resume --out DIR`` continues the run as it was configured.
+``--resume --out DIR`` continues the run as it was configured. What to do with the run folder
+(:data:`FOLDER_ACTIONS`: resume, allow a config change, start over) is only ever typed: a config
+file may not set it and ``config.json`` does not hold it.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import types
 import typing
 from collections.abc import Mapping
@@ -18,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mergekit_loco.io.files import read_json, read_limited, shown
+from mergekit_loco.io.files import _unique_keys, brief, read_json, read_limited, shown
+from mergekit_loco.io.yaml_config import MAX_CONFIG_BYTES, ConfigFileError, bounded, load_yaml
 from mergekit_loco.train.config_sections import (
     DEFAULT_TOKENS,
     CheckpointConfig,
@@ -64,6 +68,20 @@ RUNTIME_FIELDS = frozenset(
     {"out", "resume", "allow_config_change", "force", "checkpoint_every", "keep_checkpoints",
      "eval_every", "stop_after", "timeout", "device", "quiet"}
 )  # fmt: skip
+#: What to do with the run folder, typed for one invocation: never read from a config file nor
+#: saved in config.json (a saved ``force`` would let any copy of the file clobber a run).
+FOLDER_ACTIONS = ("resume", "allow_config_change", "force")
+FLOAT32_MAX = 3.4028234663852886e38
+#: option -> (largest value, as messages show it): a trained BPE's vocabulary (the tokenizer
+#: trainer aborts far beyond it), the collective timeout (a timedelta holds 8.6e13 seconds),
+#: the optimizers' hyperparameters torch holds in float32.
+UPPER_BOUNDS: dict[str, tuple[float, str]] = {
+    "vocab_size": (2**20, "2**20"),
+    "timeout": (1e9, "1e9 seconds"),
+    "inner_lr": (FLOAT32_MAX, "3.4e38 (float32)"),
+    "outer_lr": (FLOAT32_MAX, "3.4e38 (float32)"),
+    "weight_decay": (FLOAT32_MAX, "3.4e38 (float32)"),
+}
 
 
 SECTIONS = {
@@ -103,6 +121,7 @@ class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
 
     def __post_init__(self):
+        check_values(self)
         check_choice("preset", self.run.preset, PRESETS)
         if self.data.global_batch % self.run.workers:
             raise ValueError(
@@ -146,10 +165,11 @@ class TrainConfig:
 
     # -- flat names -----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """The flat options (as config.json holds them)."""
+        """The flat options as config.json holds them: all but :data:`FOLDER_ACTIONS`."""
         values = {
             flat: getattr(getattr(self, section), name)
             for flat, (section, name) in FLAT_KEYS.items()
+            if flat not in FOLDER_ACTIONS
         }
         values["betas"] = list(self.inner.betas)
         values["aggregator_options"] = dict(self.outer.aggregator_options)
@@ -166,8 +186,9 @@ class TrainConfig:
         return cls(**{name: SECTIONS[name](**fields) for name, fields in sections.items()})
 
     def replace(self, **flat: Any) -> TrainConfig:
-        """A copy with some flat options changed, validated."""
-        return TrainConfig.from_dict({**self.to_dict(), **flat})
+        """A copy with some flat options changed (the folder actions kept), validated."""
+        actions = {name: getattr(self.checkpoint, name) for name in FOLDER_ACTIONS}
+        return TrainConfig.from_dict({**self.to_dict(), **actions, **flat})
 
     def run_defining(self) -> dict[str, Any]:
         """The fields that decide what is computed (all but :data:`RUNTIME_FIELDS`)."""
@@ -184,6 +205,22 @@ class TrainConfig:
             for name, value in mine.items()
             if not same_value(theirs[name], value)
         ]
+
+
+def check_values(config: TrainConfig) -> None:
+    """The bounds the sections leave to the whole config: every float finite, every integer
+    (seeds too) in [0, 2**63), :data:`UPPER_BOUNDS`. NaN or Infinity in config.json would make
+    the run unresumable (strict JSON)."""
+    values = config.to_dict()
+    for name, value in values.items():
+        for number in value if isinstance(value, list) else [value]:
+            if isinstance(number, float) and not math.isfinite(number):
+                raise ValueError(f"{name} must be a finite number, got {number}")
+            if isinstance(number, int) and not 0 <= number < 2**63:
+                raise ValueError(f"{name} must be an integer in [0, 2**63), got {brief(number)}")
+    for name, (bound, shown_bound) in UPPER_BOUNDS.items():
+        if values[name] > bound:
+            raise ValueError(f"{name} must be at most {shown_bound}, got {brief(values[name])}")
 
 
 def same_value(a: Any, b: Any) -> bool:
@@ -214,19 +251,22 @@ FIELD_TYPES = {
 }
 
 
-def coerce_values(values: dict[str, Any], source: str = "config") -> dict[str, Any]:
+def coerce_values(values: Mapping[str, Any], source: str = "config") -> dict[str, Any]:
     """Check names and convert values (``outer-lr`` -> ``outer_lr``, ints to floats, lists to
-    tuples); unknown keys raise ``ValueError`` naming the key and ``source``."""
+    tuples); an unknown key or a value of the wrong type raises ``ValueError`` naming the option
+    and ``source``."""
     coerced = {}
     for raw_key, value in values.items():
-        key = raw_key.replace("-", "_")
+        key = raw_key.replace("-", "_") if isinstance(raw_key, str) else raw_key
         if key not in FIELD_TYPES:
-            raise ValueError(f"{source}: unknown option {raw_key!r}")
+            raise ValueError(f"{source}: unknown option {bounded(raw_key)}")
         coerced[key] = _coerce(key, FIELD_TYPES[key], value, source)
     return coerced
 
 
 def _coerce(key: str, annotation: Any, value: Any, source: str) -> Any:
+    """``value`` as the option's type; the message is built only on failure and shows the value
+    through :func:`bounded` (never expanding a huge one)."""
     kinds = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else ()
     if value is None:
         if type(None) in kinds:
@@ -234,55 +274,62 @@ def _coerce(key: str, annotation: Any, value: Any, source: str) -> Any:
         raise ValueError(f"{source}: option {key!r} cannot be empty")
     target = next((kind for kind in kinds if kind is not type(None)), annotation)
     origin = typing.get_origin(target) or target
-    bad = ValueError(f"{source}: option {key!r} expects {getattr(origin, '__name__', origin)}, "
-                     f"got {value!r}")  # fmt: skip
-    if origin is bool:
-        if not isinstance(value, bool):
-            raise bad
+    if origin is bool and isinstance(value, bool):
         return value
-    if origin is int:
-        if isinstance(value, bool) or not float(value).is_integer():
-            raise bad
+    integral = isinstance(value, int) or isinstance(value, float) and value.is_integer()
+    if origin is int and integral and not isinstance(value, bool):
         return int(value)
-    if origin is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise bad
-        return float(value)
-    if origin is str:
-        return str(value)
-    if origin is dict:
-        if not isinstance(value, Mapping):
-            raise bad
+    if origin is float and (number := float_or_none(value)) is not None:
+        return number
+    if origin is str and isinstance(value, str | os.PathLike):
+        return os.fspath(value)
+    if origin is dict and isinstance(value, Mapping):
         return dict(value)
-    if origin is tuple:
-        return tuple(float(item) for item in value)
-    raise bad
+    if origin is tuple and isinstance(value, list | tuple):
+        items = [float_or_none(item) for item in value]
+        if len(items) == len(typing.get_args(target)) and None not in items:
+            return tuple(items)
+    expected = {tuple: f"a list of {len(typing.get_args(target))} numbers"}.get(
+        origin, getattr(origin, "__name__", origin)
+    )
+    raise ValueError(f"{source}: option {key!r} expects {expected}, got {bounded(value)}")
+
+
+def float_or_none(value: Any) -> float | None:
+    """``value`` as a float if it is an int or float (not a bool) that fits one, else None."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return None
+    try:
+        return float(value)
+    except OverflowError:  # an integer beyond 1.8e308
+        return None
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """Keys and values of a ``.toml``, ``.yaml``/``.yml`` or ``.json`` config file (a regular
-    file of at most 1 MB); any error names the file."""
+    file of at most 1 MiB, no key given twice; YAML read by the hardened loader of
+    :mod:`mergekit_loco.io.yaml_config`); any error names the file."""
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix not in (".toml", ".yaml", ".yml", ".json"):
         raise ValueError(f"config file {shown(path)}: use .toml, .yaml, .yml or .json")
     if not path.exists():
         raise ValueError(f"config file {shown(path)} does not exist")
-    raw = read_limited(path, 2**20, "config file")
+    raw = read_limited(path, MAX_CONFIG_BYTES, "config file")
     try:
         text = raw.decode("utf-8")
         if suffix == ".toml":
             import tomllib
 
-            values = tomllib.loads(text)
+            values = tomllib.loads(text)  # refuses a key given twice itself
         elif suffix == ".json":
-            values = json.loads(text)
+            values = json.loads(text, object_pairs_hook=_unique_keys)
         else:
-            import yaml
-
-            values = yaml.safe_load(text) or {}
+            values = load_yaml(text, path) or {}
     except ModuleNotFoundError:  # Python 3.10
         raise ValueError(f"{shown(path)}: TOML config files need Python 3.11+") from None
+    except ConfigFileError:  # an alias bomb, deep nesting, a key twice or not a string
+        raise
     except Exception as error:  # decoding and the three parsers' errors, huge integers
         cause = " ".join(str(error).split())[:200]
         raise ValueError(f"config file {shown(path)} cannot be parsed: {cause}") from None
@@ -304,6 +351,7 @@ def resolve_config(config_file: str | Path | None = None, **overrides: Any) -> T
     (:func:`check_no_outer_step`).
     """
     explicit, flags, given = read_options(config_file, overrides)
+    explicit = without_folder_actions(explicit, config_file)
     options = {**explicit.pop("aggregator_options", {}), **flags.pop("aggregator_options", {})}
     explicit.update(flags)
     if "preset" not in explicit and not explicit.get("resume"):
@@ -321,7 +369,8 @@ def resolve_config(config_file: str | Path | None = None, **overrides: Any) -> T
             saved_values = read_json(saved, "run config")  # a regular file, strict, bounded
             if not isinstance(saved_values, dict):
                 raise ValueError(f"{shown(saved)}: not a JSON object (a damaged run config?)")
-            base.update(coerce_values(saved_values, str(saved)))
+            kept = {k: v for k, v in saved_values.items() if k not in FOLDER_ACTIONS}  # old runs
+            base.update(coerce_values(kept, shown(saved)))
     if "preset" in explicit:
         preset = explicit["preset"]
         check_choice("preset", preset, PRESETS)
@@ -336,6 +385,21 @@ def resolve_config(config_file: str | Path | None = None, **overrides: Any) -> T
     if values["mode"] == "dp":
         check_no_outer_step(explicit, options, base, given)
     return TrainConfig.from_dict(values)
+
+
+def without_folder_actions(
+    from_file: Mapping[str, Any], config_file: str | Path | None
+) -> dict[str, Any]:
+    """A config file's options but :data:`FOLDER_ACTIONS`: one set true there is refused (only a
+    typed flag may resume, or start over in, a run folder); a false one, as the config.json of
+    earlier versions holds, is dropped."""
+    for key in FOLDER_ACTIONS:
+        if from_file.get(key):
+            raise ValueError(
+                f"{key} in {shown(config_file)}: a config file cannot say what to do with the run "
+                f"folder; pass --{key.replace('_', '-')} instead"
+            )
+    return {key: value for key, value in from_file.items() if key not in FOLDER_ACTIONS}
 
 
 def option_names(
@@ -353,7 +417,7 @@ def read_options(
     """The config file's options and the flags (those not None), each checked and converted,
     and :func:`option_names` of both."""
     from_file = read_config_file(config_file) if config_file else {}
-    explicit = coerce_values(from_file, str(config_file))
+    explicit = coerce_values(from_file, shown(config_file))
     flags = coerce_values({k: v for k, v in overrides.items() if v is not None}, "flags")
     return explicit, flags, option_names(config_file, from_file, flags)
 

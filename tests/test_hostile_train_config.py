@@ -1,0 +1,257 @@
+"""``mloco train --config`` and the config API with hostile values: a config file cannot say
+what to do with the run folder (config.json does not hold it), a YAML bomb or deep nesting is
+refused before it expands, and every value of the wrong type, out of range or not finite is one
+``error:`` line naming the option, before anything is written."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from conftest import stdlib_corpus
+from hostile import TRAIN, assert_refused, run_cli, snapshot
+
+from mergekit_loco.train.config import TrainConfig, preset_config, resolve_config
+from mergekit_loco.train.config_sections import RunConfig
+
+FOLDER_ACTIONS = ("resume", "allow_config_change", "force")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    files = ["json/decoder.py", "json/encoder.py", "textwrap.py", "string.py"]
+    with stdlib_corpus(tmp_path_factory.mktemp("train_config"), files) as folder:
+        yield folder
+
+
+def train(capsys, tmp_path: Path, *extra: str, without: tuple[str, ...] = ()) -> tuple[int, str]:
+    """``mloco train`` of a tiny run into ``tmp_path/out``, less the flags named in ``without``
+    (``tokens``: they would override a config file's): (exit code, stderr)."""
+    dropped = tuple(f"--{name.replace('_', '-')}=" for name in without)
+    tiny = [flag for flag in TRAIN if not flag.startswith(dropped)]
+    code, err, _ = run_cli(capsys, "train", *tiny, f"--out={tmp_path / 'out'}", *extra)
+    return code, err
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+# -- the run folder ------------------------------------------------------------------------------
+def test_a_run_config_never_clobbers_a_run(capsys, tmp_path, corpus, stopped):
+    """A run started with --force saves no ``force`` in config.json, so ``--config`` of it onto
+    another run is refused like any new run there; the config.json of earlier versions, which
+    saved ``"force": true``, is refused as a config file. The victim is untouched."""
+    forced = tmp_path / "forced"
+    shutil.copytree(stopped, forced, symlinks=True)
+    (forced / "config.json").write_text("{}")  # proves the run below wrote its own
+    code, err, _ = run_cli(capsys, "train", *TRAIN, f"--data={corpus}", f"--out={forced}",
+                           "--force", "--stop-after=1")  # fmt: skip
+    assert code in (0, None), err
+    saved = json.loads((forced / "config.json").read_text())
+    assert saved["workers"] == 2 and not set(FOLDER_ACTIONS) & set(saved)
+    victim = tmp_path / "victim"
+    shutil.copytree(stopped, victim, symlinks=True)
+    before = snapshot(victim)
+    code, err, _ = run_cli(capsys, "train", f"--config={forced / 'config.json'}", f"--out={victim}")
+    assert_refused(code, err, f"{victim} already holds a run")
+    old = write(tmp_path, "old.json", json.dumps({**saved, "force": True, "resume": False}))
+    code, err, _ = run_cli(capsys, "train", f"--config={old}", f"--out={victim}")
+    line = assert_refused(code, err)
+    assert line == (
+        f"error: force in {old}: a config file cannot say what to do with the run folder; "
+        "pass --force instead"
+    )
+    assert snapshot(victim) == before
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "key"),
+    [
+        ("run.toml", "force = true\n", "force"),
+        ("run.yaml", "resume: true\n", "resume"),
+        ("run.json", '{"allow-config-change": true}', "allow_config_change"),
+    ],
+)
+def test_a_config_file_cannot_resume_or_force(capsys, tmp_path, name, text, key):
+    config = write(tmp_path, name, text)
+    code, err = train(capsys, tmp_path, f"--config={config}")
+    line = assert_refused(code, err)
+    assert line == (
+        f"error: {key} in {config}: a config file cannot say what to do with the run folder; "
+        f"pass --{key.replace('_', '-')} instead"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_old_config_json_with_folder_actions_still_reads(tmp_path):
+    """False ones in a --config file are dropped; a run's own config.json of an earlier version
+    (``"force": true``, ``"resume": true``) resumes without them; compare's cells keep the
+    ``force`` they are built with through ``replace``, and match their old config.json."""
+    cell = preset_config("isoloco", out=str(tmp_path), workers=2, global_batch=4, force=True)
+    cell = cell.replace(eval_every=0, checkpoint_every=20)
+    assert cell.checkpoint.force and not set(FOLDER_ACTIONS) & set(cell.to_dict())
+    old = {**cell.to_dict(), "force": True, "resume": True, "allow_config_change": False}
+    assert cell.differences(old) == []
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    resumed = resolve_config(None, out=str(tmp_path), resume=True)
+    assert (resumed.checkpoint.resume, resumed.checkpoint.force) == (True, False)
+    assert resumed.run_defining() == cell.run_defining()
+    config = write(tmp_path, "old.json", json.dumps({**old, "force": False, "resume": False}))
+    assert resolve_config(config).run_defining() == cell.run_defining()
+
+
+# -- YAML from strangers -------------------------------------------------------------------------
+def alias_bomb(levels: int = 9) -> str:
+    """Anchors whose aliases expand to 10**levels strings (a "billion laughs")."""
+    lines = ['a0: &a0 ["x", "x", "x", "x", "x", "x", "x", "x", "x", "x"]']
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize(
+    "use", ["seed: *a8\n", "aggregator_options: {x: *a8}\n", "aggregator_options: *a8\n"]
+)
+def test_a_yaml_alias_bomb_is_refused_before_it_expands(capsys, tmp_path, use):
+    bomb = alias_bomb().replace("\n", "\n  ")
+    config = write(tmp_path, "bomb.yaml", f"anchors:\n  {bomb}\n{use}")
+    started = time.process_time()
+    code, err = train(capsys, tmp_path, f"--config={config}")
+    assert time.process_time() - started < 0.5
+    line = assert_refused(code, err)
+    assert (
+        line == f"error: {config}: more than 100000 values once YAML aliases are expanded; refused"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        (
+            "deep.yaml",
+            "seed: " + "[" * 50_000 + "]" * 50_000,
+            "line 1: nested more than 32 levels deep",
+        ),
+        ("cycle.yaml", "aggregator_options: &o {x: *o}\n", "nested more than 32 levels deep"),
+        ("twice.yaml", "workers: 2\nworkers: 4\n", "line 2: key 'workers' appears twice"),
+        ("key.yaml", "1: 2\n", "line 1: key 1 is not a string (every mapping key must be)"),
+    ],
+)
+def test_yaml_nesting_repeated_and_odd_keys_are_refused(capsys, tmp_path, name, text, message):
+    config = write(tmp_path, name, text)
+    code, err = train(capsys, tmp_path, f"--config={config}")
+    assert assert_refused(code, err) == f"error: {config}: {message}"
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [("twice.json", '{"workers": 2, "workers": 4}'), ("twice.toml", "workers = 2\nworkers = 4\n")],
+)
+def test_a_key_given_twice_in_json_or_toml_is_refused(capsys, tmp_path, name, text):
+    config = write(tmp_path, name, text)
+    code, err = train(capsys, tmp_path, f"--config={config}")
+    assert_refused(code, err, f"config file {config} cannot be parsed: ")
+    assert not (tmp_path / "out").exists()
+
+
+def test_yaml_1_2_floats_are_numbers(tmp_path):
+    config = write(tmp_path, "run.yaml", "inner_lr: 1e-3\nouter_lr: 5E-1\n")
+    resolved = resolve_config(config)
+    assert (resolved.inner.lr, resolved.outer.lr) == (1e-3, 0.5)
+
+
+# -- values ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--grad-clip", "nan"], "grad_clip must be a finite number, got nan"),
+        (["--grad-clip", "inf"], "grad_clip must be a finite number, got inf"),
+        (["--timeout", "inf"], "timeout must be a finite number, got inf"),
+        (["--timeout", "1e300"], "timeout must be at most 1e9 seconds, got 1e+300"),
+        (["--weight-decay", "inf"], "weight_decay must be a finite number, got inf"),
+        (["--weight-decay", "1e39"], "weight_decay must be at most 3.4e38 (float32), got 1e+39"),
+        (["--inner-lr", "1e999"], "inner_lr must be a finite number, got inf"),
+        (["--inner-lr", "1e300"], "inner_lr must be at most 3.4e38 (float32), got 1e+300"),
+        (["--outer-lr", "1e300"], "outer_lr must be at most 3.4e38 (float32), got 1e+300"),
+        (["--chinchilla", "nan"], "chinchilla must be a finite number, got nan"),
+        (["--seed", "-1"], "seed must be an integer in [0, 2**63), got -1"),
+        (["--vocab-size", "4294967296"], "vocab_size must be at most 2**20, got 4294967296"),
+    ],
+)
+def test_flags_out_of_range_or_not_finite_are_refused(capsys, tmp_path, flags, message):
+    without = ("tokens",) if "--chinchilla" in flags else ()
+    code, err = train(capsys, tmp_path, *flags, without=without)
+    assert assert_refused(code, err) == f"error: {message}"
+    assert not (tmp_path / "out").exists()
+
+
+def test_threads_are_bounded(capsys, tmp_path):
+    code, err = train(capsys, tmp_path, "--threads", "100000")
+    assert_refused(code, err, "--threads 100000 is more than 4 per CPU", "choose at most")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('{"workers": [1, 2]}', "CONFIG: option 'workers' expects int, got [1, 2]"),
+        ('{"workers": {"a": 1}}', "CONFIG: option 'workers' expects int, got {'a': 1}"),
+        ('{"workers": "8.0"}', "CONFIG: option 'workers' expects int, got '8.0'"),
+        ('{"betas": 5}', "CONFIG: option 'betas' expects a list of 2 numbers, got 5"),
+        (
+            '{"betas": [0.9, null]}',
+            "CONFIG: option 'betas' expects a list of 2 numbers, got [0.9, None]",
+        ),
+        ('{"inner_lr": "abc"}', "CONFIG: option 'inner_lr' expects float, got 'abc'"),
+        (
+            '{"inner_lr": 1' + "0" * 400 + "}",
+            "CONFIG: option 'inner_lr' expects float, got an integer of about 401 digits",
+        ),
+        ('{"data": ["stdlib"]}', "CONFIG: option 'data' expects str, got ['stdlib']"),
+        ('{"grad_clip": NaN}', "grad_clip must be a finite number, got nan"),
+        (
+            '{"seed": 18446744073709551616}',
+            "seed must be an integer in [0, 2**63), got 18446744073709551616",
+        ),
+        ('{"seed": -1}', "seed must be an integer in [0, 2**63), got -1"),
+        (
+            '{"tokens": 1' + "0" * 400 + "}",
+            "tokens must be an integer in [0, 2**63), got an integer of about 401 digits",
+        ),
+        ('{"vocab_size": 1e12}', "vocab_size must be at most 2**20, got 1000000000000"),
+    ],
+)
+def test_config_file_values_are_one_line_naming_the_option(capsys, tmp_path, text, expected):
+    """A value of the wrong type names the file and the option; one out of range or not finite
+    names the option; a huge value is described, never printed."""
+    config = write(tmp_path, "run.json", text)
+    code, err = train(capsys, tmp_path, f"--config={config}", without=tuple(json.loads(text)))
+    assert assert_refused(code, err) == "error: " + expected.replace("CONFIG", str(config))
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (dict(seed=-1), "seed must be an integer in [0, 2**63), got -1"),
+        (dict(seed=2**64), "seed must be an integer in [0, 2**63), got 18446744073709551616"),
+        (dict(data=["stdlib"]), "flags: option 'data' expects str, got ['stdlib']"),
+        (dict(betas=(0.9, float("nan"))), "betas must be two numbers in [0, 1), got (0.9, nan)"),
+    ],
+)
+def test_the_api_checks_as_the_cli_does(overrides, message):
+    with pytest.raises(ValueError) as refused:
+        preset_config(**overrides)
+    assert str(refused.value) == message
+
+
+def test_a_config_built_from_its_sections_is_checked_too():
+    with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*63\), got -1"):
+        TrainConfig(run=RunConfig(seed=-1))
