@@ -179,6 +179,10 @@ def test_report_keeps_the_files_of_a_folder_it_did_not_write(capsys, tmp_path):
     assert_refused(code, err, refusal, f"(no {OWNER_MARKER}): it holds results.csv",
                    "refused even with --force")  # fmt: skip
     assert snapshot(tmp_path) == before
+    # rendered elsewhere with -o (before: -o was ignored for a sweep): the folder is untouched
+    assert run_cli(capsys, "report", project, "-o", tmp_path / "mine", "--no-figures")[0] == 0
+    assert {p.name for p in (tmp_path / "mine").iterdir()} >= {"results.csv", OWNER_MARKER}
+    assert {k: v for k, v in snapshot(tmp_path).items() if "mine" not in k} == before
     (project / "results.csv").unlink()  # a folder of nothing but runs/ becomes ours
     assert run_cli(capsys, "report", project, "--no-figures")[0] == 0
     assert json.loads((project / OWNER_MARKER).read_text())["kind"] == "compare sweep"

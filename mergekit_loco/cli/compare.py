@@ -243,7 +243,11 @@ def report_command(
     ],
     output: Annotated[
         Path | None,
-        typer.Option("--output", "-o", help="Where a combination of merge folders goes."),
+        typer.Option(
+            "--output",
+            "-o",
+            help="Where the report goes (default: the folder; several merge folders: required).",
+        ),
     ] = None,
     figures: Annotated[bool, typer.Option("--figures/--no-figures", help="Draw PNGs.")] = True,
     debug: Debug = False,

@@ -23,8 +23,9 @@ def render(
     console: Console | None = None,
     figures: bool = True,
 ) -> None:
-    """Re-render what ``mloco compare`` left in ``folders``: one sweep, or one or more merge
-    comparisons (combined as fine-tune sets; then ``out`` is required)."""
+    """Re-render what ``mloco compare`` left in ``folders`` into ``out`` (default: the folder
+    itself): one sweep, or one or more merge comparisons (combined as fine-tune sets; then
+    ``out`` is required)."""
     from mergekit_loco.compare.merge_report import EVALUATIONS, report_merges
     from mergekit_loco.compare.sweep_report import report_sweep
 
@@ -34,6 +35,6 @@ def render(
             raise ValueError("combining several merge comparisons needs --output")
         report_merges(folders, out or folders[0], console=console, figures=figures)
     elif len(folders) == 1:
-        report_sweep(folders[0], console=console, figures=figures)
+        report_sweep(folders[0], console=console, figures=figures, out=out)
     else:
         raise ValueError("several folders combine merge comparisons only (with evaluations.json)")

@@ -340,21 +340,27 @@ def tuned_table(tuned: Sequence[dict]) -> Table:
 
 
 def report_sweep(
-    results_dir: str | Path, console: Console | None = None, figures: bool = True
+    results_dir: str | Path,
+    console: Console | None = None,
+    figures: bool = True,
+    out: str | Path | None = None,
 ) -> list[SummaryRow]:
     """Re-render a sweep from ``results_dir/runs``: tables (results.csv, summary.csv,
-    results.json, tuned.json), the terminal tables, and loss_vs_workers.png + curves.png. Only
-    into a folder of ours or one holding nothing but ``runs/`` (then marked as a sweep's):
+    results.json, tuned.json), the terminal tables, and loss_vs_workers.png + curves.png, into
+    ``out`` (default ``results_dir``). Only into a folder of ours, a new or empty one, or the
+    results folder holding nothing but ``runs/`` (then marked as a sweep's):
     :func:`~mergekit_loco.io.atomic.check_free_or_ours`."""
-    out = Path(results_dir)
-    if not (out / run_layout.SWEEP_RUNS).is_dir():  # a published results.csv has no curves
-        raise FileNotFoundError(f"{out / run_layout.SWEEP_RUNS}: no runs to re-render")
-    check_free_or_ours(out, "the report folder", reads=(run_layout.SWEEP_RUNS,))
-    runs = load_runs(out)
+    results = Path(results_dir)
+    out = Path(out) if out is not None else results
+    if not (results / run_layout.SWEEP_RUNS).is_dir():  # a published results.csv has no curves
+        raise FileNotFoundError(f"{results / run_layout.SWEEP_RUNS}: no runs to re-render")
+    reads = (run_layout.SWEEP_RUNS,) if out == results else ()
+    check_free_or_ours(out, "the report folder", reads=reads)
+    runs = load_runs(results)
     if not runs:
-        raise FileNotFoundError(f"{out}: no runs yet")
+        raise FileNotFoundError(f"{results}: no runs yet")
     summary = summarize(runs)
-    claim_folder(out, run_layout.SWEEP_KIND, reads=(run_layout.SWEEP_RUNS,))
+    claim_folder(out, run_layout.SWEEP_KIND, reads=reads)
     write_sweep_tables(runs, summary, out)
     if figures and summary:
         from mergekit_loco.compare import figures as plots
