@@ -4,6 +4,7 @@ a refused command leaves no folder behind."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -123,6 +124,21 @@ def test_merge_mode_checks_inputs_before_creating_the_folder(capsys, models, tmp
     args[args.index(models["base"])] = tmp_path / "missing"
     code, err, _ = run_cli(capsys, *args)
     assert_refused(code, err, str(tmp_path / "missing"), "--base")
+    assert not out.exists()
+
+
+def test_merge_mode_checks_that_every_model_loads_before_merging(capsys, models, tmp_path):
+    """A fine-tune whose config.json does not describe its weights (before: -o, merges.json and
+    every merge were written, then the evaluation failed)."""
+    broken = tmp_path / "ft-broken"
+    shutil.copytree(models["ft2"], broken)
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    out = tmp_path / "new"
+    args = merge_args(models, out)
+    args[args.index(f"{models['ft1']},{models['ft2']}")] = f"{models['ft1']},{broken}"
+    code, err, _ = run_cli(capsys, *args)
+    assert_refused(code, err, f"--finetuned {broken}: tensor", "is missing for a llama model")
     assert not out.exists()
 
 

@@ -19,6 +19,7 @@ from mergekit_loco.io.atomic import check_results_folder, claim_folder, write_at
 from mergekit_loco.io.files import read_json
 from mergekit_loco.merge import merge_checkpoints
 from mergekit_loco.methods import get_method
+from mergekit_loco.train.model import check_pretrained
 from mergekit_loco.train.sources import BUILTIN_SOURCES
 
 MERGED = "merged"
@@ -91,6 +92,7 @@ def compare_merges(
     for option, path in [("--base", base)] + [("--finetuned", path) for path in finetuned]:
         if not Path(path).expanduser().exists():
             raise ValueError(f"{path}: no such checkpoint ({option})")
+        check_pretrained(path, option)  # evaluated later: a model that cannot load stops us now
     folder = evaluate.tokenizer_folder(base, tokenizer)
     halves = {}
     for domain in data:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
@@ -21,6 +21,9 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from mergekit_loco.io.files import read_json, shown
 from mergekit_loco.io.hf import NO_REMOTE_CODE, check_hf_folder, refuse_custom_code
+
+if TYPE_CHECKING:
+    from mergekit_loco.io.reader import CheckpointReader
 
 _COMMON = {
     "tie_word_embeddings": False,
@@ -165,58 +168,75 @@ MIN_UNSAVED_LIMIT = 1 << 28  # 256 MiB
 
 def load_pretrained(path: str | Path, what: str = "model") -> PreTrainedModel:
     """The float32 causal LM of a Hugging Face folder or a ``.safetensors`` file with
-    ``config.json`` beside it, read as hostile input, so that a config cannot make us allocate
-    much more than the weights hold: it may ask for at most as many layers as the weights hold
-    tensors; it is built on the meta device, where its tensor names and shapes must be the
-    weights'; and what it builds beyond them (buffers such as a causal mask) must fit in
-    ``max(weights' bytes, MIN_UNSAVED_LIMIT)``. A config transformers cannot build is one error
-    naming the file."""
+    ``config.json`` beside it, read as hostile input (:func:`checked_config`) before anything
+    is allocated."""
     from mergekit_loco.io import open_checkpoint
 
     with open_checkpoint(path) as reader:
-        config_file = reader.config_dir / "config.json"
-        if not config_file.is_file():
-            raise ValueError(
-                f"{what} {shown(path)}: no config.json beside the weights "
-                f"({shown(reader.config_dir)})"
-            )
-        folder = check_hf_folder(reader.config_dir, what)
-        config = _built(config_file, AutoConfig.from_pretrained, folder, **NO_REMOTE_CODE)
-        layers = getattr(config, "num_hidden_layers", None)
-        if isinstance(layers, int) and layers > len(reader):  # each layer costs time on meta
-            raise ValueError(
-                f"{shown(config_file)}: num_hidden_layers {layers} is more than the "
-                f"{len(reader)} tensors the weights {shown(reader.weights_file)} hold"
-            )
-        with torch.device("meta"):
-            skeleton = _built(
-                config_file, AutoModelForCausalLM.from_config, config, dtype=torch.float32
-            )
-        tied = set(getattr(skeleton, "_tied_weights_keys", None) or ())
-        tied = tied if config.tie_word_embeddings else set()
-        state = skeleton.state_dict()
-        expected = {n: tuple(t.shape) for n, t in state.items() if n not in tied}
-        present = set(reader.names())
-        for name, shape in expected.items():
-            if name not in present:
-                raise ValueError(f"{what} {shown(path)}: tensor {name!r} is missing for a "
-                                 f"{config.model_type} model")  # fmt: skip
-            if tuple(reader.shape(name)) != shape:
-                raise ValueError(
-                    f"{what} {shown(path)}: tensor {name!r} is {list(reader.shape(name))} in the "
-                    f"weights but {list(shape)} by {shown(config_file)}"
-                )
-        unexpected = sorted(present - set(state))
-        if unexpected:
-            raise ValueError(f"{what} {shown(path)}: tensor {unexpected[0]!r} is unexpected for "
-                             f"a {config.model_type} model")  # fmt: skip
-        weight_bytes = sum(reader.entry(name).end - reader.entry(name).begin for name in present)
-        _refuse_unsaved_bulk(skeleton, present | tied, weight_bytes, shown(config_file))
+        config, tied = checked_config(reader, path, what)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        present = reader.names()
         model.load_state_dict({name: reader.get(name) for name in present}, strict=False)
     if tied:
         model.tie_weights()
     return model.to(torch.float32)
+
+
+def check_pretrained(path: str | Path, what: str = "model") -> None:
+    """Refuse what :func:`load_pretrained` would refuse, reading headers and config only."""
+    from mergekit_loco.io import open_checkpoint
+
+    with open_checkpoint(path) as reader:
+        checked_config(reader, path, what)
+
+
+def checked_config(
+    reader: CheckpointReader, path: str | Path, what: str
+) -> tuple[PretrainedConfig, set[str]]:
+    """The config of the checkpoint ``reader`` reads and its tied tensor names, checked so that
+    it cannot make us allocate much more than the weights hold: it may ask for at most as many
+    layers as the weights hold tensors; it is built on the meta device, where its tensor names
+    and shapes must be the weights'; and what it builds beyond them (buffers such as a causal
+    mask) must fit in ``max(weights' bytes, MIN_UNSAVED_LIMIT)``. A config transformers cannot
+    build is one error naming the file."""
+    config_file = reader.config_dir / "config.json"
+    if not config_file.is_file():
+        raise ValueError(
+            f"{what} {shown(path)}: no config.json beside the weights ({shown(reader.config_dir)})"
+        )
+    folder = check_hf_folder(reader.config_dir, what)
+    config = _built(config_file, AutoConfig.from_pretrained, folder, **NO_REMOTE_CODE)
+    layers = getattr(config, "num_hidden_layers", None)
+    if isinstance(layers, int) and layers > len(reader):  # each layer costs time on meta
+        raise ValueError(
+            f"{shown(config_file)}: num_hidden_layers {layers} is more than the "
+            f"{len(reader)} tensors the weights {shown(reader.weights_file)} hold"
+        )
+    with torch.device("meta"):
+        skeleton = _built(
+            config_file, AutoModelForCausalLM.from_config, config, dtype=torch.float32
+        )
+    tied = set(getattr(skeleton, "_tied_weights_keys", None) or ())
+    tied = tied if config.tie_word_embeddings else set()
+    state = skeleton.state_dict()
+    expected = {n: tuple(t.shape) for n, t in state.items() if n not in tied}
+    present = set(reader.names())
+    for name, shape in expected.items():
+        if name not in present:
+            raise ValueError(f"{what} {shown(path)}: tensor {name!r} is missing for a "
+                             f"{config.model_type} model")  # fmt: skip
+        if tuple(reader.shape(name)) != shape:
+            raise ValueError(
+                f"{what} {shown(path)}: tensor {name!r} is {list(reader.shape(name))} in the "
+                f"weights but {list(shape)} by {shown(config_file)}"
+            )
+    unexpected = sorted(present - set(state))
+    if unexpected:
+        raise ValueError(f"{what} {shown(path)}: tensor {unexpected[0]!r} is unexpected for "
+                         f"a {config.model_type} model")  # fmt: skip
+    weight_bytes = sum(reader.entry(name).end - reader.entry(name).begin for name in present)
+    _refuse_unsaved_bulk(skeleton, present | tied, weight_bytes, shown(config_file))
+    return config, tied
 
 
 Built = TypeVar("Built")
