@@ -113,3 +113,12 @@ def test_a_tokenizer_file_leading_outside_is_refused(capsys, tmp_path, monkeypat
     assert_refused(code, err, str(tokenizer / "tokenizer.json"), "leading outside")
     assert_not_read(opened, outside)
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("spec", ["", "stdlib,", " , "])
+def test_an_empty_data_source_is_named(capsys, tmp_path, monkeypatch, spec):
+    """Before: ``--out lies inside the input .`` (the empty source read as the current folder)."""
+    monkeypatch.chdir(tmp_path)
+    code, err, _ = run_cli(capsys, "train", *TRAIN, f"--data={spec}", f"--out={tmp_path / 'o'}")
+    assert_refused(code, err, f"data spec {spec!r} has an empty source")
+    assert not (tmp_path / "o").exists()

@@ -161,6 +161,8 @@ def check_out_outside_inputs(out: Path, config: TrainConfig) -> None:
     for what, folder in (("--out", out), ("the cache folder ($MLOCO_CACHE)", cache_root())):
         where = folder.resolve()
         for given in run_inputs(config):
+            if not given.strip():  # an empty source: the data loader names it
+                continue
             source = Path(given).expanduser()
             if source.is_dir() and where.is_relative_to(source.resolve()):
                 raise OutputRefused(
