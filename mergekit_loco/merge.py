@@ -237,6 +237,13 @@ def prefetched_inputs(
     )
 
 
+def smallest(readers: Sequence[CheckpointReader]) -> CheckpointReader:
+    """The model with the fewest entries (the first of those), which stands in for the base
+    without one: a model whose fine-tune added vocabulary rows never does, so ``mean(models)``
+    does not depend on the order the models are given in."""
+    return min(readers, key=lambda r: sum(math.prod(r.shape(name)) for name in r.names()))
+
+
 def resolve_method(method: str | MergeMethod, params: dict) -> MergeMethod:
     if isinstance(method, MergeMethod):
         if params:
@@ -302,9 +309,10 @@ def merge_checkpoints(
     float64 tensor of the base) on ``device``.
     8-bit float inputs (F8_E4M3, F8_E5M2) are merged in ``compute_dtype`` and written back in
     their dtype (a merged value beyond its range is an error, not a silent NaN).
-    ``base=None`` is allowed for methods that need none (``mean``): the first model serves as
-    base, so the result is ``mean(models)`` at scale 1. ``out`` ending in ``.safetensors`` is a
-    file, anything else a Hugging Face folder with the base's config and tokenizer files.
+    ``base=None`` is allowed for methods that need none (``mean``): the model with the fewest
+    entries (:func:`smallest`) serves as base, so the result is ``mean(models)`` at scale 1.
+    ``out`` ending in ``.safetensors`` is a file, anything else a Hugging Face folder with the
+    base's config and tokenizer files.
 
     Raises :class:`MissingBaseError`, :class:`CheckpointError` (unreadable, mismatched or
     non-finite inputs, output exists) or ``ValueError`` (bad method or parameter); nothing is
@@ -338,7 +346,9 @@ def merge_checkpoints(
             raise MissingBaseError(
                 f"{adapters[0].path} is a LoRA adapter (a delta): give --base, the model it adapts"
             )
-        base_reader = stack.enter_context(open_checkpoint(base)) if base is not None else readers[0]
+        base_reader = (
+            stack.enter_context(open_checkpoint(base)) if base is not None else smallest(readers)
+        )
         appended = check_compatible(base_reader, [r for r in readers if r not in adapters])
         for adapter in adapters:
             adapter.check_against(base_reader)

@@ -132,3 +132,24 @@ def test_a_model_with_fewer_rows_than_the_base_is_an_error(family, tmp_path, cap
     )
     assert code == 2
     assert_one_line_error(err, str(family["plain"]), "[64, 16]", "[66, 16]", "appended")
+
+
+def test_mean_without_a_base_does_not_depend_on_the_order_of_the_models(family, tmp_path, capsys):
+    """Without --base a model stands in for it; before, the first one did, so a first model
+    with added rows made the others "too short" and the merge failed. Expected, by hand: the
+    base's rows are the mean of all three models, the added rows the mean of the two that
+    have them."""
+    merged = []
+    for order in (("added2", "plain", "other2"), ("plain", "added2", "other2")):
+        out = tmp_path / f"{order[0]}.safetensors"
+        code, _, err = run_main(capsys, "merge", *(family[m] for m in order), "--method",
+                                "mean", "-o", out, "--quiet")  # fmt: skip
+        assert code == 0, err
+        merged.append(float64(out))
+    models = [float64(family[name]) for name in ("added2", "plain", "other2")]
+    for name in ROW_TENSORS:
+        shared = sum(model[name][:BASE_VOCAB] for model in models) / 3
+        added = (models[0][name][BASE_VOCAB:] + models[2][name][BASE_VOCAB:]) / 2
+        for result in merged:
+            torch.testing.assert_close(result[name][:BASE_VOCAB], shared, rtol=0, atol=1e-6)
+            torch.testing.assert_close(result[name][BASE_VOCAB:], added, rtol=0, atol=1e-6)
