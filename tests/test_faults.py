@@ -248,6 +248,43 @@ def test_hung_peer_ends_the_other_within_the_timeout_in_one_line(corpus, tmp_pat
     assert latest_checkpoint(out).name == "round-000001"
 
 
+@pytest.mark.parametrize("differs", ["option", "data"])
+def test_processes_started_differently_are_refused_before_training(corpus, tmp_path, differs):
+    """Two processes started as two nodes would be, one with another --outer-lr (before: both
+    trained, each on its own settings, and ended with different parameters, exit 0), or with
+    a --data folder whose content differs (before: each trained on its own tokens). Both exit 2
+    with one line naming what differs; nothing is written."""
+    out = tmp_path / "run"
+    other = ["--outer-lr=0.5"]
+    if differs == "data":
+        changed = tmp_path / "changed"
+        shutil.copytree(corpus, changed)
+        first = sorted(p for p in changed.rglob("*.py"))[0]
+        first.write_text(first.read_text() + "\n# one more line\n")
+        other = [f"--data={changed}"]
+    nodes = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
+    processes = [
+        launch([sys.executable, LAUNCHER, "train", *cli_flags(corpus, out), "--timeout=60",
+                *(other if rank else [])], **nodes, RANK=str(rank), LOCAL_RANK=str(rank))
+        for rank in (0, 1)
+    ]  # fmt: skip
+    try:
+        results = [finish(process) for process in processes]
+    finally:
+        for process in processes:
+            kill_group(process)
+    expected = {
+        "option": "error: --outer-lr differs between processes (rank 0: 0.7, rank 1: 0.5); "
+        "start every process with the same options\n",
+        "data": "error: the tokens of --data differ between processes",
+    }[differs]
+    for result in results:
+        assert result.returncode == 2, result.stderr[-3000:]
+        assert ONE_LINE_ERROR.fullmatch(result.stderr), result.stderr
+        assert result.stderr.startswith(expected)
+    assert not out.exists()
+
+
 # -- signals on a single-process run -------------------------------------------------------------
 def test_sigterm_mid_round_exits_130_naming_the_checkpoint_and_resume_is_exact(
     corpus, tmp_path, reference

@@ -54,9 +54,13 @@ def naming_the_last_checkpoint(run: RunPosition) -> Iterator[None]:
         if isinstance(error, CollectiveFailed) or (
             run.distributed and isinstance(error.__cause__, RuntimeError)
         ):
+            restart = (
+                "Restart every process with --resume to continue from it."
+                if run.last_saved[1] is not None
+                else "Restart every process without --resume (there is nothing to resume)."
+            )
             raise CollectiveFailed(
-                f"round {run.round_number}: {error}. {last_good_message(run.last_saved)} Restart "
-                "every process with --resume to continue from it."
+                f"round {run.round_number}: {error}. {last_good_message(run.last_saved)} {restart}"
             ) from error
         raise
 

@@ -3,6 +3,7 @@ the run folder, checkpoints and resume. :func:`mergekit_loco.train.loop.train` d
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ from transformers import PreTrainedTokenizerBase
 
 from mergekit_loco.io import open_checkpoint
 from mergekit_loco.io.atomic import write_atomically
+from mergekit_loco.io.yaml_config import bounded
 from mergekit_loco.methods import METHODS
 from mergekit_loco.run_layout import CONFIG, METRICS
 from mergekit_loco.train.checkpoint import (
@@ -192,6 +194,7 @@ def start_run(config: TrainConfig, group: WorkerGroup, started: float | None = N
     before ``out`` is touched, so a run that cannot start leaves it as it found it. ``started``:
     the ``time.perf_counter()`` its wall time counts from (default: now)."""
     out = Path(config.run.out)
+    check_same_options(config, group)
     check_compression_has_ranks(config.outer.compression, None)  # torchrun's group, if any
     resume_from = check_output(out, config)
     torch.manual_seed(config.run.seed)
@@ -203,6 +206,7 @@ def start_run(config: TrainConfig, group: WorkerGroup, started: float | None = N
     diloco = config.run.mode == "diloco"
     dp_optimizer = None if diloco else InnerOptimizer(model, config, steps)
     data = main_process_first(group, lambda: load_data(config, tokenizer_path, rounds))
+    group.check_identical(token_checksum(data), "the tokens of --data")
     workers = [
         Worker(
             index,
@@ -224,6 +228,40 @@ def start_run(config: TrainConfig, group: WorkerGroup, started: float | None = N
     if group.is_main:
         write_atomically(out / CONFIG, json.dumps(config.to_dict(), indent=2) + "\n")
     return run
+
+
+#: Options that may differ between processes: where each writes or reads its files (the
+#: contents of --data, --tokenizer and --init are compared instead).
+PER_PROCESS_OPTIONS = frozenset({"out", "quiet", "data", "tokenizer", "init"})
+
+
+def check_same_options(config: TrainConfig, group: WorkerGroup) -> None:
+    """Refuse, on every process and before any other collective, options that differ between
+    the processes of a torchrun launch: they would train on other settings silently, or call
+    their collectives at other points (one rank's validation loss read as another's checkpoint
+    path). Raises ValueError naming the option and the two values."""
+    if not group.distributed:
+        return
+    options = {**config.to_dict(), "resume": config.checkpoint.resume,
+               "force": config.checkpoint.force}  # fmt: skip
+    mine = {key: value for key, value in options.items() if key not in PER_PROCESS_OPTIONS}
+    everyone = group.gather(mine)
+    for rank, theirs in enumerate(everyone):
+        for key in sorted(set(everyone[0]) | set(theirs)):
+            if theirs.get(key) != everyone[0].get(key):
+                raise ValueError(
+                    f"--{key.replace('_', '-')} differs between processes (rank 0: "
+                    f"{bounded(everyone[0].get(key))}, rank {rank}: {bounded(theirs.get(key))}); "
+                    "start every process with the same options"
+                )
+
+
+def token_checksum(data: PreparedData) -> str:
+    """sha256 of the train and validation token ids (what every process must train on)."""
+    digest = hashlib.sha256()
+    for tokens in (data.train, data.val):
+        digest.update(tokens.contiguous().numpy())
+    return digest.hexdigest()
 
 
 def make_driver(config: TrainConfig, model: torch.nn.Module, inner: list[InnerOptimizer]) -> DiLoCo:

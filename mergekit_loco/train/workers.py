@@ -255,8 +255,8 @@ class TorchrunWorkers(WorkerGroup):
         if len(set(digests)) > 1:
             listing = ", ".join(f"rank {r}: {d[:12]}" for r, d in enumerate(digests))
             raise ValueError(
-                f"{what} differ between processes ({listing}); every process must use the same "
-                "seed, model, init checkpoint and resume checkpoint"
+                f"{what} differ between processes ({listing}); every process must be started "
+                "with the same options and find the same data, init and resume checkpoints"
             )
 
     def close(self) -> None:
