@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,11 +31,13 @@ from fault_hook import FAULT_ENV, install
 from safetensors.torch import load_file
 
 from mergekit_loco.cli import main
+from mergekit_loco.dist import CollectiveFailed
 from mergekit_loco.train import loop, run
 from mergekit_loco.train.checkpoint import CheckpointCorrupt, latest_checkpoint
 from mergekit_loco.train.config import resolve_config
 from mergekit_loco.train.data import DataExhausted
 from mergekit_loco.train.diloco import DiLoCo
+from mergekit_loco.train.guards import naming_the_last_checkpoint
 from mergekit_loco.train.loop import TrainingDiverged, TrainingInterrupted, train
 
 CORPUS_FILES = ("textwrap.py", "string.py", "json/decoder.py", "csv.py", "heapq.py", "shlex.py")
@@ -564,3 +567,18 @@ def test_resume_with_another_config_is_refused_saying_what_differs(stopped_run, 
     result = train(allowed, progress=False)
     assert result.finished and rounds_logged(run) == [1, 2, 3, 4]
     assert json.loads((run / "config.json").read_text())["aggregator"] == "iso-c"
+
+
+@pytest.mark.parametrize("saved", [(0, None), (2, Path("out/checkpoints/round-000002"))])
+def test_a_failed_collective_advises_resume_only_when_a_checkpoint_exists(saved):
+    position = types.SimpleNamespace(round_number=3, last_saved=saved, distributed=True)
+    with pytest.raises(CollectiveFailed) as raised:
+        with naming_the_last_checkpoint(position):
+            raise CollectiveFailed("rank 0 of 2: all-reduce failed after 1.0 s")
+    if saved[1] is None:
+        advice = ("No checkpoint was written before it. Restart every process without --resume "
+                  "(there is nothing to resume).")  # fmt: skip
+    else:
+        advice = (f"The last good checkpoint is {saved[1]} (after round 2). Restart every "
+                  "process with --resume to continue from it.")  # fmt: skip
+    assert str(raised.value) == f"round 3: rank 0 of 2: all-reduce failed after 1.0 s. {advice}"
