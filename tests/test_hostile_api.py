@@ -3,6 +3,8 @@ key or tensor, never accepted to go silently wrong later (no outer step, NaN par
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -154,6 +156,39 @@ def test_outer_momentum_must_lie_in_zero_one(momentum):
 def test_outer_rates_must_be_numbers(option, value):
     with pytest.raises(TypeError, match=f"OuterOptimizer {option} must be a real number"):
         ml.OuterOptimizer({"w": torch.zeros(2)}, **{"lr": 0.7, option: value})
+
+
+def stepped_outer() -> ml.OuterOptimizer:
+    """An outer optimizer with momentum, one step taken (its momentum buffer exists)."""
+    outer = ml.OuterOptimizer({"w": torch.zeros(2), "b": torch.zeros(3)}, lr=0.7, momentum=0.9)
+    outer.step([ml.TaskVector({"w": torch.ones(2), "b": torch.ones(3)})])
+    return outer
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda s: {**s, "extra": 1}, "must hold exactly 'steps_taken' and 'sgd'"),
+        (lambda s: {**s, "steps_taken": -1}, "'steps_taken' must be an int >= 0, got -1"),
+        (lambda s: {**s, "steps_taken": 1.5}, "'steps_taken' must be an int >= 0, got 1.5"),
+        (lambda s: {**s, "sgd": [1]}, "'sgd' must be an SGD state_dict"),
+        (lambda s: {**s, "sgd": {**s["sgd"], "state": {7: {"momentum_buffer": torch.zeros(2)}}}},
+         "holds a state for parameter 7"),
+        (lambda s: {**s, "sgd": {**s["sgd"], "state": {0: {"momentum_buffer": torch.zeros(5)}}}},
+         "the momentum of 'w' is [5], but the parameter is [2]"),
+    ],
+)  # fmt: skip
+def test_an_outer_state_of_another_optimizer_is_refused_before_any_change(change, message):
+    outer = stepped_outer()
+    before = outer.state_dict()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        outer.load_state_dict(change(outer.state_dict()))
+    assert outer.steps_taken == before["steps_taken"] == 1
+    assert torch.equal(outer.momentum_buffers["w"], before["sgd"]["state"][0]["momentum_buffer"])
+    fresh = ml.OuterOptimizer({"w": torch.zeros(2), "b": torch.zeros(3)}, lr=0.7, momentum=0.9)
+    fresh.load_state_dict(before)  # a state of its own kind loads
+    saved_buffer = before["sgd"]["state"][1]["momentum_buffer"]
+    assert fresh.steps_taken == 1 and torch.equal(fresh.momentum_buffers["b"], saved_buffer)
 
 
 def test_outer_params_must_map_names_to_tensors():

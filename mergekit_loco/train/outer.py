@@ -125,5 +125,34 @@ class OuterOptimizer:
         return {"steps_taken": self.steps_taken, "sgd": copy.deepcopy(self.sgd.state_dict())}
 
     def load_state_dict(self, state: Mapping) -> None:
-        self.steps_taken = int(state["steps_taken"])
-        self.sgd.load_state_dict(state["sgd"])
+        """Restore :meth:`state_dict`. Before any change, raises ValueError naming the key for a
+        state of another optimizer: other keys, a negative or non-integer step count, or a
+        momentum buffer that is not its parameter's shape."""
+        if not isinstance(state, Mapping) or set(state) != {"steps_taken", "sgd"}:
+            raise ValueError("OuterOptimizer state must hold exactly 'steps_taken' and 'sgd'")
+        steps = state["steps_taken"]
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(
+                f"OuterOptimizer state: 'steps_taken' must be an int >= 0, got {steps!r}"
+            )
+        saved = state["sgd"]
+        buffers = saved.get("state") if isinstance(saved, Mapping) else None
+        if not isinstance(buffers, Mapping):
+            raise ValueError("OuterOptimizer state: 'sgd' must be an SGD state_dict")
+        params = list(self.params.items())
+        for index, entry in buffers.items():
+            buffer = entry.get("momentum_buffer") if isinstance(entry, Mapping) else None
+            fits = isinstance(index, int) and 0 <= index < len(params)
+            if not fits or not (buffer is None or isinstance(buffer, torch.Tensor)):
+                raise ValueError(
+                    f"OuterOptimizer state: 'sgd' holds a state for parameter {index!r}, which "
+                    "this optimizer does not have"
+                )
+            if buffer is not None and buffer.shape != params[index][1].shape:
+                name, param = params[index]
+                raise ValueError(
+                    f"OuterOptimizer state: the momentum of {name!r} is {list(buffer.shape)}, "
+                    f"but the parameter is {list(param.shape)}"
+                )
+        self.sgd.load_state_dict(saved)
+        self.steps_taken = steps
