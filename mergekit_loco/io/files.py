@@ -120,7 +120,7 @@ def _no_constant(name: str) -> object:
     raise ValueError(f"{name} is not JSON")
 
 
-def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+def unique_keys(pairs: list[tuple[str, object]]) -> dict:
     result = {}
     for key, value in pairs:
         if key in result:
@@ -140,7 +140,7 @@ def parse_json(raw: bytes, where: str) -> object:
     except UnicodeDecodeError as error:
         raise UnsafeInputError(f"{where}: not UTF-8 (at byte {error.start})") from None
     try:
-        return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+        return json.loads(text, object_pairs_hook=unique_keys, parse_constant=_no_constant)
     except json.JSONDecodeError as error:
         raise UnsafeInputError(
             f"{where}: not valid JSON ({error.msg} at char {error.pos})"

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mergekit_loco.io.files import _unique_keys, brief, read_json, read_limited, shown
+from mergekit_loco.io.files import brief, read_json, read_limited, shown, unique_keys
 from mergekit_loco.io.yaml_config import MAX_CONFIG_BYTES, ConfigFileError, bounded, load_yaml
 from mergekit_loco.train.config_sections import (
     DEFAULT_TOKENS,
@@ -323,7 +323,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 
             values = tomllib.loads(text)  # refuses a key given twice itself
         elif suffix == ".json":
-            values = json.loads(text, object_pairs_hook=_unique_keys)
+            values = json.loads(text, object_pairs_hook=unique_keys)
         else:
             values = load_yaml(text, path) or {}
     except ModuleNotFoundError:  # Python 3.10
