@@ -108,3 +108,29 @@ def test_torchrun_with_bf16_compression(corpus, tmp_path):
         changed += not torch.equal(compressed[name], param)
         assert torch.linalg.norm(compressed[name] - param) <= 1e-2 * torch.linalg.norm(param)
     assert changed > 0  # the compression did act
+
+
+@pytest.mark.slow
+def test_a_torchrun_checkpoint_resumes_in_one_process_with_a_note(corpus, tmp_path):
+    """Stopped under torchrun (2 processes) after round 2, resumed by plain ``mloco train
+    --resume``: the run says the checkpoint had another number of processes, and ends where the
+    simulated uninterrupted run ends, to float rounding."""
+    out = tmp_path / "run"
+    run_torchrun(out, corpus, "--preset=diloco", "--checkpoint-every=1", "--stop-after=2")
+    assert not (out / "final").exists()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    resumed = subprocess.run(
+        [sys.executable, "-m", "mergekit_loco", "train", f"--out={out}", "--resume",
+         f"--data={corpus}"],
+        env=env, capture_output=True, text=True, timeout=400,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (
+        "note: the checkpoint was written by 2 process(es) and this run has 1: it continues "
+        "correctly, but its sums run in another order"
+    ) in resumed.stderr
+    config = resolve_config(None, **FLAGS, preset="diloco", data=corpus, out=str(tmp_path / "sim"))
+    train(config, progress=False)
+    expected = final_params(tmp_path / "sim")
+    for name, param in final_params(out).items():
+        torch.testing.assert_close(param, expected[name], rtol=1e-4, atol=1e-6)

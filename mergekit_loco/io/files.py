@@ -121,11 +121,14 @@ def _no_constant(name: str) -> object:
 
 
 def unique_keys(pairs: list[tuple[str, object]]) -> dict:
-    result = {}
-    for key, value in pairs:
-        if key in result:
-            raise ValueError(f"key {shown(key)[:80]!r} appears twice")
-        result[key] = value
+    """``dict(pairs)``, refusing a key that appears twice."""
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        seen = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise ValueError(f"key {shown(key)[:80]!r} appears twice")
+            seen.add(key)
     return result
 
 

@@ -153,27 +153,32 @@ def check_tiling(
 
 def parse_entry(file: Path, name: str, info: object, data_start: int) -> TensorEntry:
     """One header entry -> :class:`TensorEntry`, checking ``end - begin = numel * itemsize``."""
-    label = f"{shown(file)}: corrupt header: tensor {shown(name)[:200]!r}"
+
+    def corrupt(problem: str) -> CheckpointError:
+        return CheckpointError(
+            f"{shown(file)}: corrupt header: tensor {shown(name)[:200]!r} {problem}"
+        )
+
     if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
-        raise CheckpointError(f"{label} needs exactly the keys dtype, shape and data_offsets")
+        raise corrupt("needs exactly the keys dtype, shape and data_offsets")
     dtype_name, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
     if not isinstance(shape, list) or not all(is_count(size) for size in shape):
-        raise CheckpointError(f"{label} has a shape that is not a list of non-negative integers")
+        raise corrupt("has a shape that is not a list of non-negative integers")
     if (
         not (isinstance(offsets, list) and len(offsets) == 2 and all(map(is_count, offsets)))
         or offsets[0] > offsets[1]
     ):
-        raise CheckpointError(f"{label} has data_offsets that are not [begin, end], begin <= end")
+        raise corrupt("has data_offsets that are not [begin, end], begin <= end")
     if not isinstance(dtype_name, str) or dtype_name not in SAFETENSORS_DTYPES:
-        raise CheckpointError(f"{label} has an unknown dtype")
+        raise corrupt("has an unknown dtype")
     dtype = SAFETENSORS_DTYPES[dtype_name]
     numel = math.prod(shape)
     if math.prod(size for size in shape if size) >= MAX_NUMEL:  # torch multiplies every size
-        raise CheckpointError(f"{label} has a shape whose product overflows")
+        raise corrupt("has a shape whose product overflows")
     begin, end = offsets
     if end - begin != numel * dtype.itemsize:
-        raise CheckpointError(
-            f"{label} spans {end - begin} bytes but {dtype_name} x {list(shape)} needs "
+        raise corrupt(
+            f"spans {end - begin} bytes but {dtype_name} x {list(shape)} needs "
             f"{numel * dtype.itemsize}"
         )
     return TensorEntry(file, dtype, tuple(shape), data_start + begin, data_start + end)

@@ -122,6 +122,8 @@ class Checkpoint:
     data: str = ""
     #: wall seconds the run had taken when saved, over all its invocations (0: not recorded)
     seconds: float = 0.0
+    #: the number of processes that wrote it
+    world_size: int = 1
 
 
 def rng_state() -> dict:
@@ -400,4 +402,5 @@ def load_checkpoint(path: Path, worker_ids: Iterable[int], rank: int) -> Checkpo
         rng=torch_load(rng_file(rank)) if rng_file(rank) in files else {},
         data=state.get("data", ""),
         seconds=float(state.get("seconds", 0.0)),
+        world_size=state["world_size"],
     )

@@ -12,6 +12,7 @@ live in run.py, the failure messages in guards.py, the run folder in run_folder.
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +59,8 @@ def train(config: TrainConfig, progress: bool = True) -> TrainResult:
     show = progress and not config.run.quiet
     with open_worker_group(config) as group, StopSignals(enabled=not group.distributed) as stop:
         run = start_run(config, group, started)
+        if group.is_main:
+            note_other_world_size(run)
         steps_per_round = config.inner.steps * (len(run.workers) if run.driver else 1)
         display = ProgressDisplay(show and group.is_main, run.rounds, steps_per_round,
                                   run.start_round)  # fmt: skip
@@ -81,6 +84,20 @@ def train(config: TrainConfig, progress: bool = True) -> TrainResult:
                 if config.run.stop_after == run.completed:
                     break
         return finish(run, summary=show and group.is_main)
+
+
+def note_other_world_size(run: Run) -> None:
+    """Say on stderr when the run resumed from a checkpoint that another number of processes
+    wrote: it continues correctly, but only to float rounding of an uninterrupted run."""
+    saved, now = run.resumed_world_size, run.group.world_size
+    if saved is not None and saved != now:
+        print(
+            f"note: the checkpoint was written by {saved} process(es) and this run has {now}: "
+            "it continues correctly, but its sums run in another order, so it matches an "
+            "uninterrupted run only to float rounding (resume with the same number of "
+            "processes for the same bits)",
+            file=sys.stderr,
+        )
 
 
 def run_round(run: Run, display: ProgressDisplay, stop: StopSignals) -> float:

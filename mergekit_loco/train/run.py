@@ -75,6 +75,8 @@ class Run:
     #: ``time.perf_counter()`` when this invocation started; wall seconds of earlier ones
     started: float = field(default_factory=time.perf_counter)
     seconds_before: float = 0.0
+    #: processes that wrote the checkpoint this run resumed from (None: not resumed)
+    resumed_world_size: int | None = None
 
     @property
     def wall_seconds(self) -> float:
@@ -161,6 +163,7 @@ class Run:
         self.start_round = self.completed = saved.round
         self.last_saved = (saved.round, path)
         self.seconds_before = saved.seconds
+        self.resumed_world_size = saved.world_size
 
 
 def driver_state(shared: dict, driver: DiLoCo) -> dict:
