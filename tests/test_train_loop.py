@@ -329,6 +329,52 @@ def test_resume_refuses_another_config(corpus, tmp_path, reference_run):
         train(changed, progress=False)
 
 
+def test_resume_with_allow_config_change_trains_with_the_new_settings(corpus, tmp_path):
+    """Resumed through the CLI with ``--allow-config-change`` and new outer / inner settings,
+    round 2 trains with them (torch's ``load_state_dict`` used to put the saved ones back
+    while config.json said the new ones). Outer SGD without momentum: from the same round-1
+    state the round-2 deltas are the same, so ``(theta_2 - theta_1) / outer_lr`` agrees between
+    two outer lrs; the inner lr scales by new / old at the same schedule step."""
+    stopped = tmp_path / "stopped"
+    config = tiny_config(corpus, stopped, preset="diloco-sgd", checkpoint_every=1, stop_after=1)
+    train(config, progress=False)
+    theta_1 = read_global(latest_checkpoint(stopped))
+    runs = {}
+    for name, flags in {
+        "same": [],
+        "slow": ["--outer-lr", "0.5", "--inner-lr", "2e-3", "--allow-config-change"],
+        "fast": ["--outer-lr", "1.0", "--inner-lr", "2e-3", "--allow-config-change"],
+    }.items():
+        runs[name] = tmp_path / name
+        shutil.copytree(stopped, runs[name])
+        result = CliRunner().invoke(
+            app, ["train", "--out", str(runs[name]), "--resume", "--stop-after", "2", "--quiet",
+                  *flags],
+        )  # fmt: skip
+        assert result.exit_code == 0, result.output
+    steps = {name: (read_global(latest_checkpoint(out)), read_metrics(out)[1]["inner_lr"])
+             for name, out in runs.items()}  # fmt: skip
+    slow, fast = (
+        {n: (t - theta_1[n]) / lr for n, t in steps[name][0].items()}
+        for name, lr in (("slow", 0.5), ("fast", 1.0))
+    )
+    largest = 0.0
+    for name, step in slow.items():  # float32 theta_2 - theta_1: a few ulps of theta, / lr
+        tolerance = 4 * torch.finfo(torch.float32).eps * max(theta_1[name].abs().max(), 1) / 0.5
+        torch.testing.assert_close(step, fast[name], rtol=0, atol=float(tolerance))
+        largest = max(largest, float(step.abs().max() / tolerance))
+    assert largest > 1000  # the steps are far above the rounding (the old lr: a factor of 2)
+    assert steps["slow"][1] == pytest.approx(steps["same"][1] * 2e-3 / 1.38e-3, rel=1e-12)
+    shared = torch.load(latest_checkpoint(runs["slow"]) / "shared.pt", weights_only=True)
+    assert shared["outer"]["param_groups"][0]["lr"] == 0.5
+
+
+def read_global(checkpoint: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(checkpoint / "global.safetensors")
+
+
 def test_a_value_typed_from_its_printed_form_is_no_config_change():
     saved = preset_config("diloco").replace(outer_lr=0.71 * 0.7, betas=[0.9, 0.95]).to_dict()
     typed = preset_config("diloco").replace(outer_lr=0.497, betas=[0.9, 0.95 + 1e-12])

@@ -217,7 +217,11 @@ def train_command(
         float | None, typer.Option(help=f"Outer momentum (default {default('outer_momentum')}).")
     ] = None,
     nesterov: Annotated[
-        bool | None, typer.Option("--nesterov/--no-nesterov", help="Nesterov outer momentum.")
+        bool | None,
+        typer.Option(
+            "--nesterov/--no-nesterov",
+            help="Nesterov outer momentum (default: the preset's; off in those without momentum).",
+        ),
     ] = None,
     inner_lr: Annotated[
         float | None,

@@ -146,6 +146,8 @@ class Run:
             if self.driver is not None:
                 shared = driver_state(saved.shared, self.driver)
                 self.driver.load_state_dict({**shared, "global_params": saved.global_params})
+                for group in self.driver.outer_optimizer.param_groups:  # the config's, not saved
+                    group.update(outer_settings(self.config))
             else:
                 with torch.no_grad():
                     for name, tensor in self.global_params.items():
@@ -275,13 +277,20 @@ def make_driver(config: TrainConfig, model: torch.nn.Module, inner: list[InnerOp
     if "seed" in METHODS[config.outer.aggregator].parameter_names():
         options.setdefault("seed", config.run.seed)
     params = [p for p in model.parameters() if p.requires_grad]
-    outer = torch.optim.SGD(
-        params, lr=config.outer.lr, momentum=config.outer.momentum, nesterov=config.outer.nesterov
-    )
+    outer = torch.optim.SGD(params, **outer_settings(config))
     return DiLoCo(
         model, inner, outer, aggregator=config.outer.aggregator, sync_every=config.inner.steps,
         aggregator_options=options, compression=config.outer.compression,
     )  # fmt: skip
+
+
+def outer_settings(config: TrainConfig) -> dict:
+    """The outer SGD's hyperparameters: ``lr``, ``momentum``, ``nesterov``."""
+    return {
+        "lr": config.outer.lr,
+        "momentum": config.outer.momentum,
+        "nesterov": config.outer.nesterov,
+    }
 
 
 def main_process_first(group: WorkerGroup, load):

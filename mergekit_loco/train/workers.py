@@ -112,12 +112,37 @@ class InnerOptimizer:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state``'s moments, step counts and schedule position. The
+        hyperparameters stay this optimizer's own (lr, betas, weight decay, the schedule's
+        length), where torch would load the saved ones: a run resumed with another config
+        trains with it, at lr = its lr x its schedule at the step reached."""
         if len(state["optimizers"]) != len(self.optimizers):
             raise ValueError("the checkpoint's inner optimizers do not match inner_optimizer")
+        own_groups = [
+            [{key: value for key, value in group.items() if key != "params"}
+             for group in optimizer.param_groups]
+            for optimizer in self.optimizers
+        ]  # fmt: skip
+        own_schedules = [
+            (list(scheduler.base_lrs), [dict(vars(f)) for f in scheduler.lr_lambdas])
+            for scheduler in self.schedulers
+        ]
         for optimizer, saved in zip(self.optimizers, state["optimizers"], strict=True):
             optimizer.load_state_dict(saved)
         for scheduler, saved in zip(self.schedulers, state["schedulers"], strict=True):
             scheduler.load_state_dict(saved)
+        for optimizer, groups in zip(self.optimizers, own_groups, strict=True):
+            for group, own in zip(optimizer.param_groups, groups, strict=True):
+                group.update(own)
+        for scheduler, (base_lrs, lambdas) in zip(self.schedulers, own_schedules, strict=True):
+            scheduler.base_lrs = base_lrs
+            for function, own in zip(scheduler.lr_lambdas, lambdas, strict=True):
+                vars(function).update(own)
+            lrs = [base * f(scheduler.last_epoch)
+                   for base, f in zip(base_lrs, scheduler.lr_lambdas, strict=True)]  # fmt: skip
+            for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
+                group["lr"] = lr
+            scheduler._last_lr = lrs
 
 
 @dataclass
