@@ -43,8 +43,8 @@ def newton_schulz(matrix: torch.Tensor, steps: int = NS_STEPS) -> torch.Tensor:
     """Approximate ``U V^T`` of ``matrix`` by a quintic Newton-Schulz iteration (no SVD).
 
     ``X_0 = M / ||M||_F``; ``X <- a X + (b A + c A^2) X`` with ``A = X X^T`` (X kept wide).
-    The iteration maps every singular value into roughly [0.7, 1.2], as in Muon; it runs in
-    float32 at least.
+    Every singular value of at least 0.0015 ||M||_F lands in [0.68, 1.21], as in Muon (smaller
+    ones grow by at most a^5 ~ 485); it runs in float32 at least.
     """
     a, b, c = NS_COEFFICIENTS
     compute = torch.promote_types(matrix.dtype, torch.float32)

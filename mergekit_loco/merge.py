@@ -323,6 +323,7 @@ def merge_checkpoints(
     model_paths = [Path(model) for model in models]
     if not model_paths:
         raise ValueError("no models to merge: give at least one MODEL")
+    merge_method.check_tasks(len(model_paths))
     if base is None and merge_method.needs_base:
         raise MissingBaseError(missing_base_message(merge_method.name, model_paths, out))
     check_distinct(model_paths, Path(base) if base is not None else None)

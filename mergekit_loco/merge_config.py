@@ -10,13 +10,14 @@ mergekit defines them (``tau_t = model_t - base``, weights ``w_t``, ``W = sum_t 
   given, is ignored as in mergekit) -> ``mean`` with weights;
 - ``task_arithmetic``: ``theta = base + lambda sum_t w_t tau_t`` (``/ W`` with normalize) ->
   ``ta``;
-- ``ties``: trim each tau_t to its top-density magnitudes, elect signs on ``sum_t w_t trim_t``,
+- ``ties``: trim each tau_t to its top-density magnitudes, elect signs on ``sum_t w_t trim_t``
+  (+ where it is 0),
   ``theta = base + lambda sum_t w_t a_t / sum_{t: a_t != 0} w_t`` (no division with
   ``normalize: false``) -> ``ties`` (density defaults to 1, normalize to true);
 - ``dare_linear``: ``theta = base + lambda sum_t w_t drop(tau_t)`` with drop rescaled to keep
   the L1 norm (``rescale: true``, the default) or not rescaled -> ``dare``;
 - ``dare_ties``: the DARE drop, then TIES's sign election and (with normalize) weighted
-  disjoint mean -> ``dare`` with ``consensus``;
+  disjoint mean -> ``dare`` with ``consensus`` (both with ``zero_sign`` positive);
 - ``breadcrumbs``: ``theta = base + lambda sum_t w_t band(tau_t)`` -> ``breadcrumbs``.
 
 mloco's own method names (``mean``, ``ta``, ``ties``, ``dare``, ``breadcrumbs``, ``tsv``,
@@ -242,7 +243,8 @@ def shared_method(path: Path, method: str, entries: list, shared: dict, base) ->
     if ours == "ties":
         params["trim"] = "mergekit"
     if ours == "ties" or method == "dare_ties":
-        params |= {"weights": tuple(weights), "normalize": bool(settings["normalize"])}
+        params |= {"weights": tuple(weights), "normalize": bool(settings["normalize"]),
+                   "zero_sign": "positive"}  # fmt: skip
     else:  # a weighted sum: normalizing is dividing the weights by their sum
         if settings["normalize"] and total == 0:
             raise MergeConfigError(f"{path}: normalize: true with weights summing to 0")

@@ -158,6 +158,25 @@ def test_dare_ties_without_dropping_is_weighted_unnormalised_ties(family, tmp_pa
     assert_all_close(merged, expected)
 
 
+@pytest.mark.parametrize("method", ["ties", "dare_ties"])
+def test_an_entry_whose_weighted_sum_is_zero_takes_plus_as_in_mergekit(tmp_path, capsys, method):
+    """Row 0 cancels exactly between the two models while most entries are negative: mergekit
+    elects + there (``sum >= 0``), where the TIES code's majority rule would elect -."""
+    base = np.zeros((3, 4))
+    one = np.array([[1.0, -2.0, 3.0, -4.0], [-1.0, -2.0, -3.0, -4.0], [-1.0, -1.0, -1.0, -1.0]])
+    two = np.array([[-1.0, 2.0, -3.0, 4.0], [-2.0, -2.0, -2.0, -2.0], [-3.0, -1.0, -1.0, 2.0]])
+    family = {}
+    for key, values in (("base", base), ("ft1", one), ("ft2", two)):
+        family[key] = write_state_dict({"w": torch.tensor(values)}, tmp_path / f"{key}.safetensors")
+    config = write_config(tmp_path, family, method, [("ft1", {"weight": 1.0}),
+                                                     ("ft2", {"weight": 1.0})])  # fmt: skip
+    merged = merge_with_config(capsys, config, tmp_path / "out.safetensors")
+    normalize = method == "ties"
+    expected = mergekit_ties([one, two], [1.0, 1.0], [1.0, 1.0], normalize)
+    assert expected[0].tolist() == [1.0, 2.0, 3.0, 4.0]  # + elected on the cancelling row
+    np.testing.assert_allclose(merged["w"], expected, rtol=0, atol=1e-12)
+
+
 def test_dare_linear_rescale_keeps_each_l1_norm(family, tmp_path, capsys):
     """One model: merged - base = w * c * (m * tau) with one c per tensor such that the L1
     norm of tau is kept (mergekit's ``rescale: true``); about density of the entries kept."""

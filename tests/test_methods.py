@@ -676,6 +676,67 @@ def test_interval_ends_that_are_allowed(name, params):
     assert get_method(name, **params).merge_tensor("w", random_deltas((4, 4), 2)).shape == (4, 4)
 
 
+@pytest.mark.parametrize(
+    "name, params, message",
+    [
+        ("dare", {"density": (0.5, 0.6, 0.7)}, "dare: density has 3 values for 2 tasks"),
+        ("dare", {"density": (0.5, 0.6, 0.7), "consensus": True}, "density has 3 values"),
+        ("breadcrumbs", {"gamma": (0.01, 0.02, 0.03)}, "breadcrumbs: gamma has 3 values"),
+        ("breadcrumbs", {"density": (0.9,)}, "breadcrumbs: density has 1 values for 2 tasks"),
+        ("mean", {"weights": (1.0, 2.0, 3.0)}, "mean: weights has 3 values for 2 tasks"),
+        ("dare", {"weights": (1.0,)}, "dare: weights has 1 values for 2 tasks"),
+        ("ties", {"density": (0.5, 0.6, 0.7)}, "ties: density has 3 values for 2 tasks"),
+    ],
+)
+def test_per_task_options_must_hold_one_value_per_task(name, params, message):
+    """Extra per-task values were ignored (and too few named "index 2 of the tasks"): refused,
+    through merge_tensor, merge and the DiLoCo driver, before any compute."""
+    from mergekit_loco.train.diloco import DiLoCo
+
+    method = get_method(name, **params)
+    deltas = random_deltas((3, 3), 2)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        method.merge_tensor("w", deltas)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        method.merge([TaskVector({"w": delta}) for delta in deltas])
+    model = torch.nn.Linear(3, 3)
+    inner = [torch.optim.SGD(model.parameters(), lr=0.1) for _ in range(2)]
+    outer = torch.optim.SGD(model.parameters(), lr=0.7)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        DiLoCo(model, inner, outer, aggregator=method, sync_every=2)
+
+
+@pytest.mark.parametrize(
+    "params, option",
+    [({"normalize": True}, "normalize"), ({"zero_sign": "positive"}, "zero_sign")],
+)
+def test_dare_options_of_its_sign_election_need_consensus(params, option):
+    """``normalize`` and ``zero_sign`` act only in DARE-TIES: without consensus they used to be
+    ignored in silence."""
+    with pytest.raises(ValueError, match=f"dare: {option} belongs to DARE-TIES"):
+        get_method("dare", **params)
+    assert get_method("dare", consensus=True, **params).merge_tensor(
+        "w", random_deltas((3, 3), 2)
+    ).shape == (3, 3)
+
+
+def test_zero_sign_by_hand():
+    """Sums [0, 0, -2, -2]: the tensor's majority is -, so "majority" (the TIES code) keeps the
+    negative entries where the sum is 0 and "positive" (mergekit) the positive ones; density 1,
+    one agreeing entry each, so the disjoint mean is that entry."""
+    one = torch.tensor([3.0, -5.0, -1.0, -1.0])
+    two = torch.tensor([-3.0, 5.0, -1.0, -1.0])
+    for method in ("ties", "dare"):
+        options = {"density": 1.0} | ({"consensus": True, "normalize": True}
+                                     if method == "dare" else {})  # fmt: skip
+        majority = get_method(method, **options).merge_tensor("w", [one, two])
+        positive = get_method(method, zero_sign="positive", **options).merge_tensor("w", [one, two])
+        assert majority.tolist() == [-3.0, -5.0, -1.0, -1.0], method
+        assert positive.tolist() == [3.0, 5.0, -1.0, -1.0], method
+    with pytest.raises(ValueError, match="ties: zero_sign must be one of"):
+        get_method("ties", zero_sign="up")
+
+
 def test_get_method_rejects_unknown_names_and_parameters():
     with pytest.raises(ValueError, match=r"unknown merge method 'slerp'.*iso-cts"):
         get_method("slerp")

@@ -196,6 +196,7 @@ def merge_across_ranks(
     if plan != "auto" and plan not in plans:
         raise ValueError(f"{method.name}: plan must be 'auto' or one of {list(plans)}, not {plan!r}")
     world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    method.check_tasks(len(local_deltas) * world)
     if world == 1:
         return method.merge(local_deltas), CommStats(plan="local")
     names = list(local_deltas[0])

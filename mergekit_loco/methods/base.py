@@ -54,6 +54,7 @@ class MergeMethod:
             raise NotImplementedError(
                 f"{self.name}: declare local_term and finish, or merge_tensor"
             )
+        self.check_tasks(len(deltas))
         terms = (self.local_term(name, delta, index) for index, delta in enumerate(deltas))
         return self.finish(name, sum_of(terms), len(deltas)).to(deltas[0].dtype)
 
@@ -75,6 +76,16 @@ class MergeMethod:
         """Raise ``ValueError`` naming the tensor if merging ``tasks`` deltas of these shapes
         must fail on a shape (checked before any compute). Default: every shape works."""
 
+    def check_tasks(self, tasks: int) -> None:
+        """Raise ``ValueError`` naming the option unless every option given per task (a tuple:
+        ``weights``, a per-task ``density`` or ``gamma``) holds exactly ``tasks`` values."""
+        for option in fields(self):
+            value = getattr(self, option.name)
+            if isinstance(value, tuple | list) and len(value) != tasks:
+                raise ValueError(
+                    f"{self.name}: {option.name} has {len(value)} values for {tasks} tasks"
+                )
+
     def as_aggregator(self, round_index: int, workers: int) -> MergeMethod:
         """The method as DiLoCo's aggregator of ``workers`` deltas in outer step
         ``round_index`` (0-based). Default: itself."""
@@ -86,6 +97,7 @@ class MergeMethod:
         deltas of different shapes."""
         if not task_vectors:
             raise ValueError(f"{self.name}: no task vectors to merge")
+        self.check_tasks(len(task_vectors))
         first = task_vectors[0]
         for index, other in enumerate(task_vectors[1:], start=2):
             if set(other) != set(first):
@@ -140,6 +152,9 @@ class OfWorkerMean(MergeMethod):
 
     def check_shapes(self, shapes: Mapping[str, Sequence[int]], tasks: int) -> None:
         self.method.check_shapes(shapes, tasks)
+
+    def check_tasks(self, tasks: int) -> None:
+        self.method.check_tasks(tasks)
 
     def merge_tensor(self, name: str, deltas: Sequence[torch.Tensor]) -> torch.Tensor:
         return self.method.merge_tensor(name, [self.scaled(delta) for delta in deltas])
@@ -205,9 +220,10 @@ def per_task(method: str, option: str, value, index: int, tasks: int | None = No
     exactly ``tasks`` where that is known)."""
     if not isinstance(value, tuple | list):
         return value
-    if (tasks is not None and len(value) != tasks) or index >= len(value):
-        count = tasks if tasks is not None else f"index {index} of the"
-        raise ValueError(f"{method}: {option} has {len(value)} values for {count} tasks")
+    if tasks is not None and len(value) != tasks:
+        raise ValueError(f"{method}: {option} has {len(value)} values for {tasks} tasks")
+    if index >= len(value):
+        raise ValueError(f"{method}: {option} has {len(value)} values, none for task {index + 1}")
     return value[index]
 
 

@@ -17,7 +17,7 @@ from mergekit_loco.methods.base import (
     per_task_values,
     task_weights,
 )
-from mergekit_loco.methods.ties import sign_consensus_merge
+from mergekit_loco.methods.ties import check_zero_sign, sign_consensus_merge
 
 RESCALE_CHOICES = ("density", "l1", "none")
 #: mergekit leaves a dropped tensor unscaled when either L1 norm is below this.
@@ -50,8 +50,9 @@ class Dare(MergeMethod):
     paper's DARE aggregator drops 10%); seed: the masks are a pure function of (seed, tensor
     name, task index), so a streamed merge and an in-memory merge draw the same masks.
     weights: ``w_t`` per task. rescale: "density" (``/ density``), "l1" (mergekit: keep each
-    delta's L1 norm) or "none". consensus=True is DARE-TIES: TIES's sign election and weighted
-    disjoint sum of the dropped ``w_t`` deltas, divided by the agreeing weights if normalize.
+    delta's L1 norm) or "none". consensus=True is DARE-TIES: TIES's sign election (zeros by
+    ``zero_sign``, as in :class:`~mergekit_loco.methods.ties.Ties`) and weighted disjoint sum of
+    the dropped ``w_t`` deltas, divided by the agreeing weights if normalize.
     """
 
     name = "dare"
@@ -61,6 +62,7 @@ class Dare(MergeMethod):
     rescale: str = "density"
     consensus: bool = False
     normalize: bool = False
+    zero_sign: str = "majority"
 
     def __post_init__(self):
         for density in per_task_values(self.density):
@@ -73,6 +75,13 @@ class Dare(MergeMethod):
             raise ValueError(
                 f"{self.name}: seed must be an integer in [0, 2**63), not {brief(self.seed)}"
             )
+        check_zero_sign(self.name, self.zero_sign)
+        for option, default in (("normalize", False), ("zero_sign", "majority")):
+            if getattr(self, option) != default and not self.consensus:
+                raise ValueError(
+                    f"{self.name}: {option} belongs to DARE-TIES's sign election and needs "
+                    "consensus=True (plain DARE takes its weights as given)"
+                )
 
     def drop(self, name: str, delta: torch.Tensor, task_index: int) -> torch.Tensor:
         """The rescaled ``m_t * tau_t`` with the mask of (seed, ``name``, ``task_index``): the
@@ -100,11 +109,13 @@ class Dare(MergeMethod):
         if not self.consensus:
             return super().merge_tensor(name, deltas)
         count = len(deltas)
+        self.check_tasks(count)
         weights = task_weights(self.name, self.weights, count) or (1 / count,) * count
         dropped = [self.drop(name, delta, index).reshape(-1) for index, delta in enumerate(deltas)]
         return sign_consensus_merge(
-            lambda part: (delta[part] for delta in dropped), deltas[0], weights, self.normalize
-        )
+            lambda part: (delta[part] for delta in dropped),
+            deltas[0], weights, self.normalize, self.zero_sign,
+        )  # fmt: skip
 
     def as_aggregator(self, round_index: int, workers: int) -> Dare:
         """Fresh masks every outer step: seed ``seed + round_index``."""

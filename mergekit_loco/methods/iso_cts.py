@@ -99,7 +99,8 @@ class IsoCts(MergeMethod):
     values replaced by their mean. Non-matrix tensors: mean over tasks.
 
     common_fraction in [0, 1), default 0.8; spectral="ns" orthogonalises the stacked blocks by
-    Newton-Schulz instead of an SVD (the subspace SVDs remain).
+    Newton-Schulz instead of an SVD (the subspace SVDs remain): an approximation whose singular
+    values are not flat and not at ``mean(s)`` (docs/methods.md, iso-cts).
     """
 
     name = "iso-cts"

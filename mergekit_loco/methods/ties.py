@@ -157,6 +157,16 @@ def keep_top_magnitude(delta: torch.Tensor, density: float) -> torch.Tensor:
     return keep_above(delta, trim_threshold(delta, density))
 
 
+#: Where ``sum_t w_t trim_t`` is exactly 0: "majority" (the TIES code) takes the sign of the
+#: sum of the tensor's elected signs (-1 when that is 0 too), "positive" (mergekit) takes +1.
+ZERO_SIGNS = ("majority", "positive")
+
+
+def check_zero_sign(method: str, zero_sign: str) -> None:
+    if zero_sign not in ZERO_SIGNS:
+        raise ValueError(f"{method}: zero_sign must be one of {ZERO_SIGNS}, not {zero_sign!r}")
+
+
 def elect_sign(trimmed_sum: torch.Tensor) -> torch.Tensor:
     """``sign(sum_t trimmed_t)``; zeros take the sign of the sum of the elected signs."""
     elected = torch.sign(trimmed_sum)
@@ -232,10 +242,11 @@ def sign_consensus_merge(
     like: torch.Tensor,
     weights: Sequence[float] | None = None,
     normalize: bool = True,
+    zero_sign: str = "majority",
 ) -> torch.Tensor:
     """TIES's elect-and-combine step on T sparsified tasks ``s_t``, given slice by slice
     (``task_slices(part)`` yields ``s_t.reshape(-1)[part]`` for every t): ``u_t = w_t s_t``,
-    signs elected on ``sum_t u_t`` (zeros take the sign of the sum of elected signs), then the
+    signs elected on ``sum_t u_t`` (zeros by ``zero_sign``, see :data:`ZERO_SIGNS`), then the
     weighted disjoint mean of the agreeing ``u_t`` (see :func:`disjoint_mean_slice`).
 
     Two passes over cache-sized slices: the first stores ``sum_t u_t`` in the output and
@@ -252,7 +263,7 @@ def sign_consensus_merge(
         for index, task in enumerate(task_slices(part)):
             total.add_(task, alpha=1.0 if weights is None else weights[index])
         sign_balance += float(torch.sign(total).sum(dtype=torch.float64))
-    zero_direction = 1.0 if sign_balance > 0 else -1.0
+    zero_direction = 1.0 if sign_balance > 0 or zero_sign == "positive" else -1.0
     for part in parts:
         merged[part] = disjoint_mean_slice(
             task_slices(part), merged[part], zero_direction, weights, normalize
@@ -276,6 +287,8 @@ class Ties(MergeMethod):
     normalize=False drops the division (mergekit's ``normalize: false``). trim: "reference"
     (the TIES code: keep ``|x| >=`` the ``(n - int(n density))``-th smallest, which is
     ``int(n density) + 1`` entries) or "mergekit" (``max(1, int(n density))`` entries).
+    zero_sign: the sign an entry whose sum is exactly 0 takes, "majority" (the TIES code) or
+    "positive" (mergekit), see :data:`ZERO_SIGNS`.
     """
 
     name = "ties"
@@ -283,6 +296,7 @@ class Ties(MergeMethod):
     weights: tuple[float, ...] | None = None
     normalize: bool = True
     trim: str = "reference"
+    zero_sign: str = "majority"
 
     def __post_init__(self):
         for density in per_task_values(self.density):
@@ -291,6 +305,7 @@ class Ties(MergeMethod):
             raise ValueError(
                 f"{self.name}: trim must be one of {tuple(TRIM_RULES)}, not {self.trim!r}"
             )
+        check_zero_sign(self.name, self.zero_sign)
 
     def merge_tensor(self, name: str, deltas: Sequence[torch.Tensor]) -> torch.Tensor:
         count = len(deltas)
@@ -305,15 +320,16 @@ class Ties(MergeMethod):
         def trimmed(part: slice):
             return (trim_slice(d[part], t) for d, t in zip(flat, thresholds, strict=True))
 
-        return sign_consensus_merge(trimmed, deltas[0], weights, self.normalize)
+        return sign_consensus_merge(trimmed, deltas[0], weights, self.normalize, self.zero_sign)
 
     def plans(self) -> Sequence[Plan]:
-        """Two all-reduces for plain TIES (unweighted, one density, the reference trim,
-        normalized); any other setting runs on the generic owner plan."""
+        """Two all-reduces for plain TIES (unweighted, one density, the reference trim and
+        zero sign, normalized); any other setting runs on the generic owner plan."""
         plain = (
             self.weights is None
             and self.normalize
             and self.trim == "reference"
+            and self.zero_sign == "majority"
             and not isinstance(self.density, tuple)
         )
         return (Plan("all-reduce", self.run_two_sums, two_sums_bytes),) if plain else ()

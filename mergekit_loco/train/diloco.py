@@ -230,6 +230,7 @@ class DiLoCo:
         self.process_group = process_group
         world = dist.get_world_size(process_group) if dist.is_initialized() else 1
         check_compression_has_ranks(compression, process_group)
+        self.method.check_tasks(len(self.inner_optimizers) * world)
         self.method.check_shapes(
             {name: p.shape for name, p in self.params.items()}, len(self.inner_optimizers) * world
         )
