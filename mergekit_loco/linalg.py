@@ -196,6 +196,16 @@ def consuming_product(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     return left @ right
 
 
+def rank_aware_polar(matrix: torch.Tensor) -> torch.Tensor:
+    """``U_r Vh_r`` of ``matrix = U diag(s) Vh``, keeping the :func:`numerical_rank` ``r``
+    directions: the partial isometry on the matrix's column and row spaces (its polar factor
+    when it has full rank), which, unlike the polar factor of a rank-deficient matrix, is
+    unique."""
+    left, singular, right_h = thin_svd(matrix)
+    rank = numerical_rank(singular, matrix.shape)
+    return left[:, :rank] @ right_h[:rank]
+
+
 def polar_of_blocks(blocks: list[torch.Tensor], dim: int, orthogonalise=None):
     """``orthogonalise(cat(blocks, dim))`` (default: :func:`lean_polar_factor`, working in the
     concatenation's memory), emptying ``blocks`` before the factorisation so that each block is

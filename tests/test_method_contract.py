@@ -147,7 +147,7 @@ def test_options_are_parsed_to_the_field_types():
     "method, pairs, fragments",
     [
         ("ties", ["dens=0.3"], ["--option 'dens=0.3'", "does not take 'dens'", "density"]),
-        ("tsv", ["x=1"], ["'tsv' does not take 'x'", "no parameters"]),
+        ("tsv", ["x=1"], ["'tsv' does not take 'x' (rank_aware)"]),
         ("ties", ["density"], ["--option 'density'", "expected KEY=VALUE"]),
         ("dare", ["seed=1.5"], ["--option 'seed=1.5'", "'1.5' is not an integer"]),
         ("iso-c", ["rank_aware=maybe"], ["'maybe' is not true or false"]),
@@ -182,6 +182,26 @@ def test_cli_option_errors_are_one_line(extra, fragments, tmp_path, capsys):
     assert len(lines) == 1 and lines[0].startswith("error: "), stderr
     for fragment in fragments:
         assert fragment in lines[0]
+
+
+def test_rank_aware_tsv_through_the_cli(tmp_path, capsys):
+    """``mloco merge -m tsv --option rank_aware=true`` merges as the API does (the owner plan's
+    method: no low-rank plan for factors of varying size)."""
+    base, models = make_family(tmp_path / "family", count=2, layout="file")
+    out = tmp_path / "tsv.safetensors"
+    args = ["merge", *models, "--base", base, "-m", "tsv", "--option", "rank_aware=true", "-o",
+            out, "--quiet"]  # fmt: skip
+    with pytest.raises(SystemExit) as exited:
+        main([str(arg) for arg in args])
+    assert exited.value.code == 0, capsys.readouterr().err
+    method = get_method("tsv", rank_aware=True)
+    assert method.plans() == ()
+    theta = load_state_dict(base)
+    tuned = [load_state_dict(model) for model in models]
+    merged = load_state_dict(out)
+    for name, tensor in theta.items():
+        expected = tensor + method.merge_tensor(name, [t[name] - tensor for t in tuned])
+        torch.testing.assert_close(merged[name], expected, rtol=1e-5, atol=1e-6)
 
 
 def test_option_and_flags_merge_the_same(tmp_path, capsys):

@@ -737,6 +737,47 @@ def test_zero_sign_by_hand():
         get_method("ties", zero_sign="up")
 
 
+def low_rank(shape, rank, generator) -> torch.Tensor:
+    left = torch.randn(shape[0], rank, generator=generator, dtype=torch.float64)
+    return left @ torch.randn(rank, shape[1], generator=generator, dtype=torch.float64)
+
+
+def test_rank_aware_tsv_is_unique_on_rank_deficient_tasks():
+    """Two rank-2 16 x 16 deltas (r = 8 components kept per task): plain TSV's result moves with
+    the null-space vectors LAPACK picks (a rotation P . Q of the inputs does not rotate the
+    output); rank-aware TSV is rotation-equivariant, keeps rank 4, equals plain TSV on full-rank
+    tasks, gives tau's top 6 components for [tau, tau] (12 x 12, r = 6), and the sum of tasks
+    with orthogonal column and row spaces."""
+    generator = torch.Generator().manual_seed(3)
+    a, b = low_rank((16, 16), 2, generator), low_rank((16, 16), 2, generator)
+    p, _ = torch.linalg.qr(torch.randn(16, 16, generator=generator, dtype=torch.float64))
+    q, _ = torch.linalg.qr(torch.randn(16, 16, generator=generator, dtype=torch.float64))
+
+    def moved(method) -> float:
+        merged = method.merge_tensor("w", [a, b])
+        rotated = method.merge_tensor("w", [p @ a @ q, p @ b @ q])
+        return float((rotated - p @ merged @ q).norm() / merged.norm())
+
+    assert moved(get_method("tsv")) > 0.1
+    aware = get_method("tsv", rank_aware=True)
+    assert moved(aware) < 1e-12
+    assert torch.linalg.matrix_rank(aware.merge_tensor("w", [a, b])) == 4
+
+    full = random_deltas((10, 8), 3)
+    assert_matches(aware.merge_tensor("w", full), get_method("tsv").merge_tensor("w", full).numpy())
+
+    tau = random_deltas((12, 12), 1, seed=5)[0]
+    u, s, vh = np.linalg.svd(tau.numpy())
+    assert_matches(aware.merge_tensor("w", [tau, tau]), u[:, :6] @ np.diag(s[:6]) @ vh[:6])
+
+    one, two = torch.zeros(8, 8, dtype=torch.float64), torch.zeros(8, 8, dtype=torch.float64)
+    one[:2, :2] = torch.tensor([[3.0, 1.0], [0.5, -2.0]])
+    two[4:6, 5:7] = torch.tensor([[1.0, -4.0], [2.0, 0.25]])
+    assert_matches(aware.merge_tensor("w", [one, two]), (one + two).numpy())
+    zeros = [torch.zeros(4, 4), torch.zeros(4, 4)]
+    assert torch.equal(aware.merge_tensor("w", zeros), torch.zeros(4, 4))
+
+
 def test_get_method_rejects_unknown_names_and_parameters():
     with pytest.raises(ValueError, match=r"unknown merge method 'slerp'.*iso-cts"):
         get_method("slerp")

@@ -8,7 +8,13 @@ from dataclasses import dataclass
 
 import torch
 
-from mergekit_loco.linalg import consuming_product, polar_of_blocks, truncated_svd
+from mergekit_loco.linalg import (
+    consuming_product,
+    numerical_rank,
+    polar_of_blocks,
+    rank_aware_polar,
+    truncated_svd,
+)
 from mergekit_loco.methods.base import (
     MergeMethod,
     in_svd_precision,
@@ -30,9 +36,10 @@ from mergekit_loco.task_vector import TaskVector
 LowRank = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def orthogonalised_sum(factors: list[LowRank]) -> torch.Tensor:
+def orthogonalised_sum(factors: list[LowRank], orthogonalise=None) -> torch.Tensor:
     """``polar([U_1 .. U_T]) diag([s_1 .. s_T]) polar([Vh_1; ..; Vh_T])``; empties ``factors``
-    (each block is freed once concatenated).
+    (each block is freed once concatenated). ``orthogonalise``: the polar factor (None) or
+    :func:`~mergekit_loco.linalg.rank_aware_polar`.
 
     Concatenating the blocks equals placing them in zero-filled ``m x d`` / ``d x n`` matrices:
     zero columns meet zero singular values.
@@ -40,8 +47,16 @@ def orthogonalised_sum(factors: list[LowRank]) -> torch.Tensor:
     lefts, singulars, right_hs = (list(blocks) for blocks in zip(*factors, strict=True))
     factors.clear()
     singular = torch.cat(singulars)
-    right_h = polar_of_blocks(right_hs, dim=0)
-    return consuming_product(polar_of_blocks(lefts, dim=1).mul_(singular), right_h)
+    right_h = polar_of_blocks(right_hs, 0, orthogonalise)
+    return consuming_product(polar_of_blocks(lefts, 1, orthogonalise).mul_(singular), right_h)
+
+
+def nonzero_part(factors: LowRank, shape: torch.Size) -> LowRank:
+    """The components of ``(U_r, s_r, Vh_r)`` whose singular value is numerically non-zero
+    (:func:`~mergekit_loco.linalg.numerical_rank` of the task's ``shape``)."""
+    left, singular, right_h = factors
+    rank = numerical_rank(singular, shape)
+    return left[:, :rank], singular[:rank], right_h[:rank]
 
 
 def tsv_rank(name: str, shape: torch.Size, tasks: int) -> int:
@@ -64,9 +79,15 @@ class Tsv(MergeMethod):
     """TSV-M per matrix: keep the top ``r = int(d * (1/T))`` SVD components of each tau_t, stack
     them, replace the stacked U and V^T by their polar factors:
     ``merged = U_perp diag(s) V^T_perp``. Non-matrix tensors: mean over tasks.
+
+    rank_aware=True keeps only each task's numerically non-zero components and the stacks'
+    non-zero directions (:func:`~mergekit_loco.linalg.rank_aware_polar`): the same result on
+    full-rank tasks, and a unique one where a task has rank below r (a LoRA delta) or tasks
+    repeat, which otherwise depends on null-space vectors that LAPACK picks arbitrarily.
     """
 
     name = "tsv"
+    rank_aware: bool = False
 
     def check_shapes(self, shapes: Mapping[str, Sequence[int]], tasks: int) -> None:
         for name, shape in shapes.items():
@@ -79,10 +100,16 @@ class Tsv(MergeMethod):
         rank = tsv_rank(name, deltas[0].shape, len(deltas))
         # one delta in float32 at a time; only its top-r factors outlive its SVD
         factors = [truncated_svd(delta, rank) for delta in deltas]
-        return orthogonalised_sum(factors).to(deltas[0].dtype)
+        if not self.rank_aware:
+            return orthogonalised_sum(factors).to(deltas[0].dtype)
+        factors = [nonzero_part(triple, deltas[0].shape) for triple in factors]
+        if not any(len(singular) for _, singular, _ in factors):
+            return torch.zeros_like(deltas[0])
+        return orthogonalised_sum(factors, rank_aware_polar).to(deltas[0].dtype)
 
     def plans(self) -> Sequence[Plan]:
-        return (Plan("low-rank", self.run_low_rank, low_rank_bytes),)
+        """The low-rank plan; with ``rank_aware`` (factors of varying size) the owner plan."""
+        return () if self.rank_aware else (Plan("low-rank", self.run_low_rank, low_rank_bytes),)
 
     def run_low_rank(
         self, comm: Collectives, local: Sequence[TaskVector], names: list[str]
