@@ -43,7 +43,7 @@ def newton_schulz(matrix: torch.Tensor, steps: int = NS_STEPS) -> torch.Tensor:
     """Approximate ``U V^T`` of ``matrix`` by a quintic Newton-Schulz iteration (no SVD).
 
     ``X_0 = M / ||M||_F``; ``X <- a X + (b A + c A^2) X`` with ``A = X X^T`` (X kept wide).
-    Every singular value of at least 0.0015 ||M||_F lands in [0.68, 1.21], as in Muon (smaller
+    Every singular value of at least 0.0015 ||M||_F lands in [0.68, 1.20], as in Muon (smaller
     ones grow by at most a^5 ~ 485); it runs in float32 at least.
     """
     a, b, c = NS_COEFFICIENTS
@@ -194,6 +194,12 @@ def consuming_product(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     if right.shape[0] == right.shape[1]:
         return times_in_place(left, right)
     return left @ right
+
+
+def leading(factors: tuple[torch.Tensor, torch.Tensor, torch.Tensor], count: int):
+    """The first ``count`` components ``(U[:, :count], s[:count], Vh[:count])`` of SVD factors."""
+    left, singular, right_h = factors
+    return left[:, :count], singular[:count], right_h[:count]
 
 
 def rank_aware_polar(matrix: torch.Tensor) -> torch.Tensor:

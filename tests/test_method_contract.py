@@ -184,17 +184,19 @@ def test_cli_option_errors_are_one_line(extra, fragments, tmp_path, capsys):
         assert fragment in lines[0]
 
 
-def test_rank_aware_tsv_through_the_cli(tmp_path, capsys):
-    """``mloco merge -m tsv --option rank_aware=true`` merges as the API does (the owner plan's
-    method: no low-rank plan for factors of varying size)."""
+@pytest.mark.parametrize(
+    "name, flag", [("tsv", ["--option", "rank_aware=true"]), ("iso-cts", ["--rank-aware"])]
+)
+def test_rank_aware_merge_through_the_cli(tmp_path, capsys, name, flag):
+    """``mloco merge -m tsv --option rank_aware=true`` (or ``-m iso-cts --rank-aware``) merges
+    as the API does (the owner plan's method: no low-rank plan for blocks of varying size)."""
     base, models = make_family(tmp_path / "family", count=2, layout="file")
-    out = tmp_path / "tsv.safetensors"
-    args = ["merge", *models, "--base", base, "-m", "tsv", "--option", "rank_aware=true", "-o",
-            out, "--quiet"]  # fmt: skip
+    out = tmp_path / "merged.safetensors"
+    args = ["merge", *models, "--base", base, "-m", name, *flag, "-o", out, "--quiet"]
     with pytest.raises(SystemExit) as exited:
         main([str(arg) for arg in args])
     assert exited.value.code == 0, capsys.readouterr().err
-    method = get_method("tsv", rank_aware=True)
+    method = get_method(name, rank_aware=True)
     assert method.plans() == ()
     theta = load_state_dict(base)
     tuned = [load_state_dict(model) for model in models]

@@ -778,6 +778,88 @@ def test_rank_aware_tsv_is_unique_on_rank_deficient_tasks():
     assert torch.equal(aware.merge_tensor("w", zeros), torch.zeros(4, 4))
 
 
+def reference_partial_isometry(matrix: np.ndarray) -> np.ndarray:
+    """``U_r V_r^T`` over the ``np.linalg.matrix_rank`` non-zero directions of ``matrix``."""
+    left, _, right_h = np.linalg.svd(matrix, full_matrices=False)
+    rank = np.linalg.matrix_rank(matrix)
+    return left[:, :rank] @ right_h[:rank]
+
+
+def reference_rank_aware_iso_cts(deltas, common_fraction=0.8, eps=np.finfo(np.float64).eps):
+    """Iso-CTS over the components above ``max(m, n) eps sum_t ||tau_t||_F`` (docs/methods.md;
+    eps of the compute dtype): stacks replaced by their partial isometries, scale = the mean of
+    the kept values."""
+    m, n = deltas[0].shape
+    common, per_task = reference_split(min(m, n), len(deltas), common_fraction)
+    tolerance = max(m, n) * eps * sum(np.linalg.norm(x) for x in deltas)
+    u, s, v = np.linalg.svd(sum(deltas), full_matrices=False)
+    kept = int(np.sum(s[:common] > tolerance))
+    common_u, common_s, common_v = u[:, :kept], s[:kept], v[:kept]
+    lefts, values, rights = [], [], []
+    for delta in deltas:
+        u_ts, s_ts, v_ts = np.linalg.svd(delta - common_u @ common_u.T @ delta)
+        count = int(np.sum(s_ts[:per_task] > tolerance))
+        lefts.append(u_ts[:, :count]), values.append(s_ts[:count]), rights.append(v_ts[:count])
+    lefts.append(common_u), values.append(common_s), rights.append(common_v)
+    left, right = reference_partial_isometry(np.hstack(lefts)), np.vstack(rights)
+    return np.concatenate(values).mean() * left @ reference_partial_isometry(right)
+
+
+def test_rank_aware_iso_cts_is_unique_on_rank_deficient_tasks():
+    """Rank-2 16 x 16 tasks (common space k = 12, 2 components per task): plain Iso-CTS moves
+    with LAPACK's null-space vectors, rank-aware Iso-CTS is rotation-equivariant (exact and
+    Newton-Schulz), matches a float64 reference and is rank-aware Iso-C of the sum (rank 4,
+    inside the common space); ``[tau, tau]`` of a rank-2 tau gives
+    ``mean(2 s_1, 2 s_2) (u_1 v_1^T + u_2 v_2^T)``; full-rank tasks give plain Iso-CTS."""
+    generator = torch.Generator().manual_seed(4)
+    a, b = low_rank((16, 16), 2, generator), low_rank((16, 16), 2, generator)
+    p, _ = torch.linalg.qr(torch.randn(16, 16, generator=generator, dtype=torch.float64))
+    q, _ = torch.linalg.qr(torch.randn(16, 16, generator=generator, dtype=torch.float64))
+
+    def moved(method) -> float:
+        merged = method.merge_tensor("w", [a, b])
+        rotated = method.merge_tensor("w", [p @ a @ q, p @ b @ q])
+        return float((rotated - p @ merged @ q).norm() / merged.norm())
+
+    assert moved(get_method("iso-cts")) > 0.1
+    assert moved(get_method("iso-cts", spectral="ns")) > 0.1
+    aware = get_method("iso-cts", rank_aware=True)
+    assert moved(aware) < 1e-12
+    assert moved(get_method("iso-cts", spectral="ns", rank_aware=True)) < 1e-10
+    assert_matches(aware.merge_tensor("w", [a, b]), reference_rank_aware_iso_cts(as_numpy([a, b])))
+    u, s, vh = np.linalg.svd((a + b).numpy())  # rank 4 < k: Iso-C of the sum over 4 directions
+    assert_matches(aware.merge_tensor("w", [a, b]), s[:4].mean() * (u[:, :4] @ vh[:4]))
+
+    u, s, vh = np.linalg.svd(a.numpy())
+    expected = (s[0] + s[1]) * (u[:, :2] @ vh[:2])  # mean(2 s_1, 2 s_2) = s_1 + s_2
+    assert_matches(aware.merge_tensor("w", [a, a]), expected)
+
+    full = random_deltas((10, 8), 3)
+    plain = get_method("iso-cts").merge_tensor("w", full).numpy()
+    assert_matches(aware.merge_tensor("w", full), plain)
+    assert_matches(aware.merge_tensor("w", full), reference_rank_aware_iso_cts(as_numpy(full)))
+    twice = random_deltas((12, 12), 1, seed=6) * 2  # identical full-rank task blocks
+    assert_matches(aware.merge_tensor("w", twice), reference_rank_aware_iso_cts(as_numpy(twice)))
+    zeros = [torch.zeros(6, 6), torch.zeros(6, 6)]
+    assert torch.equal(aware.merge_tensor("w", zeros), torch.zeros(6, 6))
+
+
+def test_rank_aware_iso_cts_drops_rounding_at_the_tasks_scale():
+    """float32: a small task inside a large task's column space leaves a residual of rounding
+    at the large task's scale (far above its own eps); rank-aware Iso-CTS drops it and agrees
+    with the float64 reference (at float32's eps) on the same inputs; plain Iso-CTS does not."""
+    generator = torch.Generator().manual_seed(8)
+    big = 1000 * low_rank((24, 20), 2, generator)
+    small = big @ torch.randn(20, 20, generator=generator, dtype=torch.float64) * 1e-6
+    other = low_rank((24, 20), 2, generator)
+    deltas = [x.float() for x in (big, small, other)]
+    expected = reference_rank_aware_iso_cts(as_numpy(deltas), eps=np.finfo(np.float32).eps)
+    merged = get_method("iso-cts", rank_aware=True).merge_tensor("w", deltas)
+    assert_matches(merged, expected, 1e-4)
+    plain = get_method("iso-cts").merge_tensor("w", deltas).double().numpy()
+    assert np.abs(plain - expected).max() > 0.1 * np.abs(expected).max()
+
+
 def test_get_method_rejects_unknown_names_and_parameters():
     with pytest.raises(ValueError, match=r"unknown merge method 'slerp'.*iso-cts"):
         get_method("slerp")
@@ -785,6 +867,8 @@ def test_get_method_rejects_unknown_names_and_parameters():
         get_method("ties", gamma=0.1)
     with pytest.raises(ValueError, match=r"'mean' does not take 'density'.*weights"):
         get_method("mean", density=0.5)
+    with pytest.raises(ValueError, match=r"iso-c: rank_aware applies to spectral='exact' only"):
+        get_method("iso-c", spectral="ns", rank_aware=True)
 
 
 def test_merge_of_task_vectors_goes_name_by_name():

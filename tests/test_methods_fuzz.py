@@ -23,12 +23,14 @@ CONFIGS = [
     ("dare", {"density": 0.4, "seed": 3}),
     ("breadcrumbs", {"density": 0.6, "gamma": 0.1}),
     ("tsv", {}),
+    ("tsv", {"rank_aware": True}),
     ("iso-c", {}),
     ("iso-c", {"spectral": "ns"}),
     ("iso-c", {"rank_aware": True}),
     ("iso-cts", {}),
     ("iso-cts", {"common_fraction": 0.0}),
     ("iso-cts", {"spectral": "ns"}),
+    ("iso-cts", {"rank_aware": True}),
 ]
 FUZZ = settings(max_examples=100, deadline=None, derandomize=True)
 
@@ -93,6 +95,10 @@ def check_invariant(name, params, deltas: list[np.ndarray], merged: np.ndarray, 
         assert np.all(np.abs(merged) <= np.abs(stacked).mean(axis=0) * (1 + rtol) + atol)
         if tasks == 1:
             assert np.count_nonzero(merged) <= int(params["density"] * merged.size)
+    elif name in ("tsv", "iso-cts") and params.get("rank_aware"):
+        # partial isometries times kept singular values (each at most its matrix's norm)
+        norms = [np.linalg.norm(x, ord=2) for x in (*deltas, stacked.sum(axis=0))]
+        assert np.linalg.norm(merged, ord=2) <= max(norms) * (1 + rtol) + atol
     elif name == "tsv":
         rank = int(min(merged.shape) * (1 / tasks))
         kept_s = np.concatenate([np.linalg.svd(d, compute_uv=False)[:rank] for d in deltas])

@@ -100,9 +100,9 @@ def test_config_file_then_flags(tmp_path):
     assert (config.outer.aggregator, config.run.workers, config.outer.lr) == ("ties", 4, 0.9)
     assert config.outer.aggregator_options == {"density": 0.5}
     yaml = tmp_path / "run.yaml"
-    yaml.write_text("aggregator: iso-c\naggregator_options: {spectral: ns}\nbetas: [0.8, 0.9]\n")
+    yaml.write_text("aggregator: iso-c\naggregator_options: {spectral: exact}\nbetas: [0.8, 0.9]\n")
     config = resolve_config(yaml, aggregator_options={"rank_aware": True})
-    assert config.outer.aggregator_options == {"spectral": "ns", "rank_aware": True}
+    assert config.outer.aggregator_options == {"spectral": "exact", "rank_aware": True}
     assert config.inner.betas == (0.8, 0.9)
     # the resolved config survives a round trip through config.json
     assert TrainConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config

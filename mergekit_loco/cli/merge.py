@@ -153,7 +153,8 @@ def merge(
         str | None, typer.Option(help="iso-c/iso-cts: exact (SVD) or ns (Newton-Schulz).")
     ] = None,
     rank_aware: Annotated[
-        bool, typer.Option("--rank-aware", help="iso-c, tsv: only non-zero singular directions.")
+        bool,
+        typer.Option("--rank-aware", help="iso-c/iso-cts/tsv: only non-zero singular directions."),
     ] = False,
     seed: Annotated[int | None, typer.Option(help="dare: seed of the drop masks.")] = None,
     option: Annotated[

@@ -35,6 +35,11 @@ class IsoC(MergeMethod):
 
     def __post_init__(self):
         check_spectral(self.name, self.spectral)
+        if self.rank_aware and self.spectral == "ns":
+            raise ValueError(
+                "iso-c: rank_aware applies to spectral='exact' only (Newton-Schulz already stays "
+                "in the column and row spaces of the sum)"
+            )
 
     def local_term(self, name: str, delta: torch.Tensor, worker_index: int) -> torch.Tensor:
         """Matrices are summed in float32 at least (there is no half-precision SVD)."""

@@ -10,9 +10,11 @@ import torch
 
 from mergekit_loco.linalg import (
     consuming_product,
+    leading,
     newton_schulz,
     polar_of_blocks,
     qr_layout,
+    rank_aware_polar,
     thin_svd,
     truncated_svd,
 )
@@ -78,11 +80,30 @@ def task_specific_factors(
     return truncated_svd(residual, per_task, overwrite=True)
 
 
-def orthogonal_blocks(factors: list[LowRank], spectral: str):
+def noise_floor(deltas: Sequence[torch.Tensor], dtype: torch.dtype) -> float:
+    """``max(m, n) eps sum_t ||tau_t||_F`` (eps of ``dtype``): numpy's matrix_rank tolerance at
+    the scale of the tasks, which bounds ``s_max(M)`` and every ``||tau_t||``. A projection
+    residual ``tau_t - U U^T tau_t`` that should vanish is rounding at that scale, not at
+    ``tau_t``'s (measured: up to 2e-5 ``||tau_t||_F`` in float32 beside a task 1000x larger)."""
+    scale = sum(float(torch.linalg.matrix_norm(delta.to(dtype))) for delta in deltas)
+    return max(deltas[0].shape) * torch.finfo(dtype).eps * scale
+
+
+def above(factors: LowRank, tolerance: float) -> LowRank:
+    """The components of SVD factors whose singular value exceeds ``tolerance``."""
+    return leading(factors, int((factors[1] > tolerance).sum()))
+
+
+def orthogonal_blocks(factors: list[LowRank], spectral: str, rank_aware: bool = False):
     """``(mean(s), orth([U_blocks]) orth([Vh_blocks]))`` where orth is the polar factor (or its
-    Newton-Schulz approximation); the merged matrix is their product. Empties ``factors`` (each
-    block is freed once concatenated)."""
-    orthogonalise = None if spectral == "exact" else newton_schulz  # None: the polar factor
+    Newton-Schulz approximation; with ``rank_aware`` and exact,
+    :func:`~mergekit_loco.linalg.rank_aware_polar`); the merged matrix is their product.
+    Empties ``factors`` (each block is freed once concatenated)."""
+    orthogonalise = None  # None: the polar factor
+    if spectral == "ns":
+        orthogonalise = newton_schulz
+    elif rank_aware:
+        orthogonalise = rank_aware_polar
     lefts, singulars, right_hs = (list(blocks) for blocks in zip(*factors, strict=True))
     factors.clear()
     right_h = polar_of_blocks(right_hs, 0, orthogonalise)
@@ -101,11 +122,18 @@ class IsoCts(MergeMethod):
     common_fraction in [0, 1), default 0.8; spectral="ns" orthogonalises the stacked blocks by
     Newton-Schulz instead of an SVD (the subspace SVDs remain): an approximation whose singular
     values are not flat and not at ``mean(s)`` (docs/methods.md, iso-cts).
+
+    rank_aware=True keeps only the components above :func:`noise_floor` (of the common space
+    and of each task's residual), orthogonalises the stacks over their non-zero directions
+    (:func:`~mergekit_loco.linalg.rank_aware_polar`) and scales by the mean of the kept
+    singular values: the same result on full-rank tasks, and a unique one where the sum or a
+    residual has fewer non-zero components than its block (LoRA deltas, repeated tasks).
     """
 
     name = "iso-cts"
     common_fraction: float = 0.8
     spectral: str = "exact"
+    rank_aware: bool = False
 
     def __post_init__(self):
         check_fraction(self.name, "common_fraction", self.common_fraction, False, True)
@@ -127,11 +155,18 @@ class IsoCts(MergeMethod):
             summed += delta
         shared = common_subspace(summed, common, overwrite=True)
         del summed
+        if self.rank_aware:
+            tolerance = noise_floor(deltas, compute)
+            shared = above(shared, tolerance)
         # one delta in float32 at a time; only its top factors outlive its residual's SVD
         blocks = [task_specific_factors(delta.to(compute), shared[0], per_task) for delta in deltas]
+        if self.rank_aware:
+            blocks = [above(block, tolerance) for block in blocks]
         blocks.append(shared)
         del shared
-        return orthogonal_blocks(blocks, self.spectral)
+        if not any(len(singular) for _, singular, _ in blocks):
+            return torch.zeros((), dtype=compute), torch.zeros(deltas[0].shape, dtype=compute)
+        return orthogonal_blocks(blocks, self.spectral, self.rank_aware)
 
     def merge_tensor(self, name: str, deltas: Sequence[torch.Tensor]) -> torch.Tensor:
         if not is_matrix(deltas[0]):
@@ -144,6 +179,9 @@ class IsoCts(MergeMethod):
         return OfWorkerMean(self, workers)
 
     def plans(self) -> Sequence[Plan]:
+        """The low-rank plan; with ``rank_aware`` (blocks of varying size) the owner plan."""
+        if self.rank_aware:
+            return ()
         return (Plan("low-rank", self.run_low_rank, self.low_rank_bytes),)
 
     # -- the low-rank plan --------------------------------------------------------------------

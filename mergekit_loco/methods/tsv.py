@@ -10,6 +10,7 @@ import torch
 
 from mergekit_loco.linalg import (
     consuming_product,
+    leading,
     numerical_rank,
     polar_of_blocks,
     rank_aware_polar,
@@ -54,9 +55,7 @@ def orthogonalised_sum(factors: list[LowRank], orthogonalise=None) -> torch.Tens
 def nonzero_part(factors: LowRank, shape: torch.Size) -> LowRank:
     """The components of ``(U_r, s_r, Vh_r)`` whose singular value is numerically non-zero
     (:func:`~mergekit_loco.linalg.numerical_rank` of the task's ``shape``)."""
-    left, singular, right_h = factors
-    rank = numerical_rank(singular, shape)
-    return left[:, :rank], singular[:rank], right_h[:rank]
+    return leading(factors, numerical_rank(factors[1], shape))
 
 
 def tsv_rank(name: str, shape: torch.Size, tasks: int) -> int:
