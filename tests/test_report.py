@@ -231,7 +231,7 @@ def test_paired_interval_by_hand():
     assert paired_interval({0: 1.0}, {1: 1.0}).n == 0
 
 
-def test_ordering_states_only_separated_neighbours():
+def test_ordering_states_only_separations():
     # means a 2.0, b 3.0, c 3.0167. a - b per seed: -1.0, -1.1, -0.9 (mean -1, sd 0.1: the
     # interval -1 +- 0.25 excludes 0); b - c: -0.1, +0.2, -0.15 (mean -0.017, sd 0.19: holds 0)
     losses = {
@@ -248,6 +248,15 @@ def test_ordering_states_only_separated_neighbours():
     unequal = {"a": {0: 4.0, 1: 4.1, 2: 3.5}, "b": {0: 3.9, 1: 3.99}}
     assert ordering(unequal) == "b < a (seeds 0, 1: the ones all ran)"
     assert ordering({"a": {0: 1.0}, "b": {1: 2.0}}) == "a ~ b (seeds none: the ones all ran)"
+    # a ~ b and b < c, but a - c = (-0.7, +0.38, -0.14): mean -0.153, sd 0.540, interval
+    # -0.153 +- 4.303 x 0.540 / sqrt(3) = [-1.495, +1.188] holds 0, so no "<" may imply a < c
+    chained = {"a": {0: 3.5, 1: 4.6, 2: 4.1}, "b": {0: 4.10, 1: 4.12, 2: 4.14},
+               "c": {0: 4.20, 1: 4.22, 2: 4.24}}  # fmt: skip
+    assert ordering(chained) == "a ~ b ~ c"
+    # a and b both separate from c and d (and not from each other): a ~ b < c ~ d
+    tiers = {"a": {0: 1.0, 1: 2.0, 2: 3.0}, "b": {0: 1.1, 1: 1.9, 2: 3.05},
+             "c": {0: 5.0, 1: 6.1, 2: 7.0}, "d": {0: 5.2, 1: 5.9, 2: 7.1}}  # fmt: skip
+    assert ordering(tiers) == "a ~ b < c ~ d"
 
 
 # -- the published results reproduce from their committed data -----------------------------------
@@ -309,7 +318,7 @@ def test_claims_name_failed_seeds_and_short_pairs(tmp_path, capsys):
     assert "| dp | 4.450 ± 0.071 (n=2) |" in text  # 4.4 and 4.5
     assert "| isoloco | failed (seeds 0) |" in text
     assert claims.loss_rows([rows[("dp", 1, 0)]], []) == []  # only the baseline finished yet
-    assert "| 2. IsoLoCo beats DiLoCo | cannot tell (a run failed) (n=0) |" in text
+    assert "| 2. IsoLoCo beats DiLoCo | cannot tell (a run failed) (n=3) |" in text
     # a failure on a seed the other cell did not run blocks nothing: seeds 0, 1 pair up,
     # -0.2 and -0.1: mean -0.15, se 0.05, half 12.7062 x 0.05 = 0.6353
     ties = dataclasses.replace(rows[("dp", 1, 0)], aggregator="ties", workers=2, inner_steps=2,
@@ -325,6 +334,24 @@ def test_claims_name_failed_seeds_and_short_pairs(tmp_path, capsys):
     assert {pair: cell for _c, pair, cell in table}["isoloco - dp"] == (
         "+0.0500 [-1.8559, +1.9559] n.s. (n=2)"
     )
+
+
+def test_claims_refuse_a_folder_that_is_not_a_report(tmp_path, capsys):
+    """A report cell holds one outer setting: with leftovers of another (lr 0.497 beside the
+    tuned 0.7) the reported seeds would pick the better one, so the claims refuse; with
+    --seeds, a run of the tuning seed 900 is refused too."""
+    claims = load_script("aggregator_claims")
+    for seed, loss in enumerate((4.10, 4.12, 4.15)):
+        write_run(tmp_path, f"diloco-R2-s{seed}", "diloco", 2, seed, loss, outer_lr=0.7)
+        write_run(tmp_path, f"isoloco-R2-s{seed}", "isoloco", 2, seed, loss - 0.1)
+    claims.main(str(tmp_path), seeds="0,1,2")
+    assert "IsoLoCo beats DiLoCo" in capsys.readouterr().out
+    write_run(tmp_path, "isoloco-R2-s900", "isoloco", 2, 900, 3.0)
+    with pytest.raises(SystemExit, match=r"runs of seed\(s\) 900, not in --seeds"):
+        claims.main(str(tmp_path), seeds="0,1,2")
+    write_run(tmp_path, "diloco-R2-lr0.497-s0", "diloco", 2, 0, 4.05, outer_lr=0.497)
+    with pytest.raises(SystemExit, match=r"diloco at R=2 H=\d+ has 2 outer settings \(outer lr"):
+        claims.main(str(tmp_path))
 
 
 def test_claim_verdicts_by_hand():
@@ -445,6 +472,10 @@ def test_protocol_decisions_by_hand(tmp_path, capsys):
     # doubling from 100 gains 0.5, from 200 0.3, from 400 0.03 < 0.05
     assert decide.flat_horizon(curve, 0.05) == 400
     assert decide.flat_horizon(curve, 0.005) is None  # 800 -> 1600 gains 0.01
+    # a spike at 400 makes 200 -> 400 look flat, but 400 -> 800 and 800 -> 1600 still gain
+    spiked = [(100, 6.0), (200, 5.2), (400, 5.19), (800, 4.5), (1600, 4.25)]
+    assert decide.flat_horizon(spiked, 0.05) is None
+    assert decide.flat_horizon([*spiked[:4], (1600, 4.48)], 0.05) == 800
     assert decide.longest_doubled(curve) == 800  # not flat: the longest budget with its double
     assert decide.longest_doubled([(100, 6.0), (300, 5.0)]) is None
     # a run validated at 128 tokens (8.0) and finished at 256 (7.0): not flat, so 128

@@ -1,6 +1,6 @@
 """The paper's claims, checked on a sweep folder: paired differences per R (see aggregators.md).
 
-    python docs/results/aggregator_claims.py RESULTS [--rule t|sd] [--markdown]
+    python docs/results/aggregator_claims.py RESULTS [--rule t|sd] [--markdown] [--seeds 0,1,2]
 
 RESULTS is a ``mloco compare`` folder (its ``runs/``) or a published folder holding only its
 ``results.csv``. ``--rule t`` (default) gives each difference its 95% t-interval and orders
@@ -9,12 +9,17 @@ tables (a difference counts when larger than the sd of its per-seed differences)
 a verdict table follows: per claim and R, holds / fails / cannot tell by the rules of
 :data:`CLAIMS`, fixed before the tuned runs, and which differences survive Holm's correction
 for the number of intervals.
+
+A report holds each aggregator's one (tuned) outer setting per R: a folder with several is
+refused rather than letting the reported seeds pick among them; ``--seeds`` refuses runs of
+any other seed (the tuning seed must never enter a reported interval).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,6 +30,7 @@ from mergekit_loco.compare.runs import BASELINE, load_runs
 from mergekit_loco.compare.stats import PairedInterval, paired_difference, paired_interval
 from mergekit_loco.compare.sweep_report import (
     SummaryRow,
+    describe_setting,
     failed_shared_seeds,
     format_difference,
     orderings,
@@ -136,7 +142,8 @@ def verdicts(rows: Mapping[tuple, SummaryRow]) -> list[dict]:
             if left is None or right is None:
                 continue
             if failed_shared_seeds(left, right):
-                found.append({"claim": claim, "R": workers, "H": steps, "n": 0,
+                shared = len(set(left.losses) & set(right.losses))
+                found.append({"claim": claim, "R": workers, "H": steps, "n": shared,
                               "verdict": "cannot tell (a run failed)", "p": None})  # fmt: skip
                 continue
             interval = paired_interval(left.losses, right.losses)
@@ -204,8 +211,30 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
-def main(results: str, rule: str = "t", markdown: bool = False) -> None:
-    summary = summarize(load_runs(results))
+def report_problems(runs: list, summary: list[SummaryRow], seeds: list[int] | None) -> list[str]:
+    """Why ``runs`` are not a report: a cell with several outer settings (the reported seeds
+    would choose among them), runs of seeds other than ``seeds``."""
+    problems = [
+        f"{row.aggregator} at R={row.workers} H={row.inner_steps} has {len(row.sweep)} outer "
+        f"settings ({'; '.join(describe_setting(setting) for setting, _ in row.sweep)})"
+        for row in summary
+        if len(row.sweep) > 1
+    ]
+    if seeds is not None:
+        other = sorted({run.seed for run in runs} - set(seeds))
+        if other:
+            problems.append(f"runs of seed(s) {', '.join(map(str, other))}, not in --seeds")
+    return problems
+
+
+def main(results: str, rule: str = "t", markdown: bool = False, seeds: str | None = None) -> None:
+    runs = load_runs(results)
+    summary = summarize(runs)
+    chosen = [int(seed) for seed in seeds.split(",")] if seeds else None
+    problems = report_problems(runs, summary, chosen)
+    if problems:
+        sys.exit(f"error: {results} is not a report of one setting per aggregator and the "
+                 f"reported seeds: {'; '.join(problems)}")  # fmt: skip
     rows = {(row.aggregator, row.workers, row.inner_steps): row for row in summary}
     settings, claims = claim_rows(rows, rule)
     columns = [f"R={workers} H={steps}" for steps, workers in settings]
@@ -242,5 +271,6 @@ if __name__ == "__main__":
     parser.add_argument("results")
     parser.add_argument("--rule", choices=("t", "sd"), default="t")
     parser.add_argument("--markdown", action="store_true", help="markdown tables (for docs)")
+    parser.add_argument("--seeds", help="the reported seeds, e.g. 0,1,2 (others are refused)")
     arguments = parser.parse_args()
-    main(arguments.results, arguments.rule, arguments.markdown)
+    main(arguments.results, arguments.rule, arguments.markdown, arguments.seeds)

@@ -39,13 +39,15 @@ def say(text: str) -> None:
 
 
 def flat_horizon(curve: list[tuple[int, float]], tolerance: float) -> int | None:
-    """The fewest tokens ``t`` on the validation curve after which doubling the tokens gains
-    less than ``tolerance`` nats: ``loss(t) - loss(2t) < tolerance`` (``2t`` on the curve; the
-    curve of one long run, so before its learning rate has decayed: a conservative reading).
-    None when no point qualifies."""
+    """The fewest tokens ``t`` on the validation curve from which every doubling gains less
+    than ``tolerance`` nats: ``loss(u) - loss(2u) < tolerance`` for ``t`` and every later ``u``
+    whose ``2u`` is on the curve (so one upward spike at ``2t`` cannot pass for flatness while
+    later doublings still gain; the curve of one long run, so before its learning rate has
+    decayed: a conservative reading). None when no point qualifies."""
     losses = dict(curve)
-    for tokens, loss in sorted(curve):
-        if 2 * tokens in losses and loss - losses[2 * tokens] < tolerance:
+    doublings = sorted(t for t in losses if 2 * t in losses)
+    for index, tokens in enumerate(doublings):
+        if all(losses[u] - losses[2 * u] < tolerance for u in doublings[index:]):
             return tokens
     return None
 
@@ -61,12 +63,16 @@ def horizon(folder: str, tolerance: float) -> int:
     not flatten within the run (the data's training tokens, seen once), the longest budget
     whose double the run reached, so that stage 6 can test the verdicts at twice the budget on
     data never seen twice."""
-    [run] = [r for r in load_runs(folder) if r.aggregator == "diloco" and r.status == "finished"]
+    found = [r for r in load_runs(folder) if r.aggregator == "diloco" and r.status == "finished"]
+    if len(found) != 1:
+        say(f"{folder}: {len(found)} finished diloco runs; the horizon reads exactly one")
+        return 1
+    [run] = found
     for tokens, loss in run.val_curve:
         say(f"{run.name}: {tokens:>10,} tokens  val loss {loss:.4f}")
     tokens = flat_horizon(list(run.val_curve), tolerance)
     if tokens is not None:
-        say(f"doubling from {tokens:,} tokens gains < {tolerance} nats")
+        say(f"every doubling from {tokens:,} tokens gains < {tolerance} nats")
         print(tokens)
         return 0
     tokens = longest_doubled(list(run.val_curve))
@@ -76,7 +82,8 @@ def horizon(folder: str, tolerance: float) -> int:
     losses = dict(run.val_curve)
     gain = losses[tokens] - losses[2 * tokens]
     say(
-        f"not flat: no doubling gains < {tolerance} nats (from {tokens:,} tokens: {gain:.3f}); "
+        f"not flat: from no point does every doubling gain < {tolerance} nats (from "
+        f"{tokens:,} tokens: {gain:.3f}); "
         f"the budget is the longest whose double the data holds, {tokens:,} tokens, and "
         f"stage 6 checks the verdicts at {2 * tokens:,}"
     )
@@ -143,7 +150,7 @@ def flags(folder: str, aggregators: str | None = None) -> int:
     for entry in tuned:
         name = entry["aggregator"]
         say(f"{name}: outer lr {entry['outer_lr']:g}, momentum {entry['outer_momentum']}, mean "
-            f"loss {entry['mean_loss']:.4f} over R {entry['workers']}")  # fmt: skip
+            f"loss {float(entry['mean_loss']):.4f} over R {entry['workers']}")  # fmt: skip
         words.append(f"--outer-lr-grid {name}={entry['outer_lr']:g}")
         if entry["outer_momentum"]:
             words.append(f"--outer-momentum-grid {name}={entry['outer_momentum']:g}")
@@ -152,7 +159,7 @@ def flags(folder: str, aggregators: str | None = None) -> int:
                      for workers, edges in entry.get("grid_edges_at_R", {}).items()
                      for edge in edges]  # fmt: skip
         problems += [f"{name} lacks {setting}" for setting in entry.get("incomplete", [])]
-        if not math.isfinite(entry["mean_loss"]):
+        if not math.isfinite(float(entry["mean_loss"])):  # written "inf" (tables.json_value)
             problems.append(f"{name} (every setting failed at some R: widen the grid downward)")
     if problems:
         say(f"not tuned yet: extend the grid or finish the sweep, and tune again: "
@@ -180,6 +187,9 @@ def noise(path: str) -> int:
     for record in records:
         parts.setdefault(record["model"], {})[record["val_set"]] = record["loss"]
     models = list(parts)
+    if len(models) < 2:
+        say(f"{path}: one model; the paired noise needs two (evaluate both final models)")
+        return 1
     sets = sorted(parts[models[0]])
 
     def spread(values: list[float]) -> str:
@@ -231,8 +241,9 @@ def table(folder: str) -> int:
         momentum = entry["outer_momentum"]
         momentum = preset.momentum if momentum is None else momentum
         workers = ", ".join(map(str, entry["workers"]))
+        loss = float(entry["mean_loss"])
         print(f"| {entry['aggregator']} | {lr:g} ({preset.lr:g}) | {momentum:g} "
-              f"({preset.momentum:g}) | {entry['mean_loss']:.4f} (R = {workers}) |")  # fmt: skip
+              f"({preset.momentum:g}) | {loss:.4f} (R = {workers}) |")  # fmt: skip
     return 0
 
 

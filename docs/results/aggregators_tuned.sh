@@ -87,8 +87,9 @@ decide table "$WORK/tune" > "$WORK/tune/tuned.md"
 mloco compare --aggregators "$AGGREGATORS" --workers 2,4,8,16 --seeds "$REPORT_SEEDS" \
   $SHARED --tokens "$TOKENS" $INNER $TUNED -o "$WORK/report"
 mloco report "$WORK/report"
-python "$HERE/aggregator_claims.py" "$WORK/report"
-python "$HERE/aggregator_claims.py" "$WORK/report" --markdown > "$WORK/report/claims.md"
+python "$HERE/aggregator_claims.py" "$WORK/report" --seeds "$REPORT_SEEDS"
+python "$HERE/aggregator_claims.py" "$WORK/report" --seeds "$REPORT_SEEDS" --markdown \
+  > "$WORK/report/claims.md"
 
 # 6. Doubling check: the claims' core cells (averaging and Iso-C, with and without momentum)
 #    at twice the budget, same tuned values and seeds: do the verdicts of stage 5 hold when
@@ -98,5 +99,6 @@ TUNED_DOUBLED=$(decide flags "$WORK/tune" --aggregators "$DOUBLED")
 # shellcheck disable=SC2086
 mloco compare --aggregators "$DOUBLED" --workers 2,8 --seeds "$REPORT_SEEDS" $SHARED \
   --tokens $((2 * TOKENS)) $INNER $TUNED_DOUBLED -o "$WORK/doubling"
-python "$HERE/aggregator_claims.py" "$WORK/doubling"
-python "$HERE/aggregator_claims.py" "$WORK/doubling" --markdown > "$WORK/doubling/claims.md"
+python "$HERE/aggregator_claims.py" "$WORK/doubling" --seeds "$REPORT_SEEDS"
+python "$HERE/aggregator_claims.py" "$WORK/doubling" --seeds "$REPORT_SEEDS" --markdown \
+  > "$WORK/doubling/claims.md"

@@ -104,11 +104,13 @@ def paired_interval(
 
 
 def ordering(losses: Mapping[str, Mapping[int, float]], confidence: float = CONFIDENCE) -> str:
-    """Names sorted by their mean loss over the seeds all of them ran, joined by ``<`` where the
-    paired interval of the neighbours' difference lies below 0 and by ``~`` where it does not
-    (cannot tell), e.g. ``a < b ~ c``. Seeds some names lack are left out of the ranking and the
-    intervals alike (so a name cannot rank on one set of seeds and be compared on another), and
-    the text says which seeds it used: ``a < b (seeds 0, 1: the ones all ran)``."""
+    """Names sorted by their mean loss over the seeds all of them ran, joined by ``<`` at a cut
+    where every name before it is separated from every name after it (each pair's paired
+    interval of ``before - after`` lies below 0) and by ``~`` elsewhere (cannot tell), e.g.
+    ``a < b ~ c``: so every ``<`` may be read transitively, and ``a ~ b < c`` never states
+    ``a < c`` unless that pair separates. Seeds some names lack are left out of the ranking and
+    the intervals alike (so a name cannot rank on one set of seeds and be compared on another),
+    and the text says which seeds it used: ``a < b (seeds 0, 1: the ones all ran)``."""
     if not losses:
         return ""
     every = set.union(*(set(by_seed) for by_seed in losses.values()))
@@ -117,10 +119,15 @@ def ordering(losses: Mapping[str, Mapping[int, float]], confidence: float = CONF
     means = {name: spread(list(by_seed.values())).mean if seeds else math.nan
              for name, by_seed in shared.items()}  # fmt: skip
     names = sorted(means, key=lambda name: (math.isnan(means[name]), means[name], name))
+
+    def below(lower: str, upper: str) -> bool:
+        interval = paired_interval(shared[lower], shared[upper], confidence)
+        return bool(interval.separated) and interval.high < 0
+
     text = names[0]
-    for previous, name in zip(names, names[1:], strict=False):
-        interval = paired_interval(shared[previous], shared[name], confidence)
-        text += (" < " if interval.separated and interval.high < 0 else " ~ ") + name
+    for cut in range(1, len(names)):
+        separated = all(below(a, b) for a in names[:cut] for b in names[cut:])
+        text += (" < " if separated else " ~ ") + names[cut]
     if seeds != every:
         used = ", ".join(map(str, sorted(seeds))) or "none"
         text += f" (seeds {used}: the ones all ran)"

@@ -319,7 +319,8 @@ def write_sweep_tables(runs: Sequence[Run], summary: Sequence[SummaryRow], out: 
     write_atomically(out / "results.json", json.dumps(document, indent=2) + "\n")
     tuned = tuned_settings(summary)
     if tuned:
-        write_atomically(out / TUNED_FILE, json.dumps(tuned, indent=2) + "\n")
+        entries = [{key: json_value(value) for key, value in entry.items()} for entry in tuned]
+        write_atomically(out / TUNED_FILE, json.dumps(entries, indent=2) + "\n")
 
 
 def tuned_table(tuned: Sequence[dict]) -> Table:
