@@ -15,6 +15,7 @@ from mergekit_loco.cli.common import (
     Debug,
     Quiet,
     print_error,
+    print_warning,
     user_errors,
 )
 
@@ -297,9 +298,12 @@ def eval_command(
     """Token-weighted validation loss and perplexity of each model on each dataset."""
     from mergekit_loco import evaluate
 
+    datasets = split_datasets(data)
+    for warning in evaluate.held_out_warnings(models, datasets, tokens, seed, val_sets):
+        print_warning(warning)
     results = evaluate.evaluate_models(
         models,
-        split_datasets(data),
+        datasets,
         tokens=tokens,
         seq_len=seq_len,
         tokenizer=tokenizer,

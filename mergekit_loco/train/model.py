@@ -166,14 +166,16 @@ def count_parameters(model: torch.nn.Module) -> int:
 MIN_UNSAVED_LIMIT = 1 << 28  # 256 MiB
 
 
-def load_pretrained(path: str | Path, what: str = "model") -> PreTrainedModel:
+def load_pretrained(
+    path: str | Path, what: str = "model", config_folder: str | Path | None = None
+) -> PreTrainedModel:
     """The float32 causal LM of a Hugging Face folder or a ``.safetensors`` file with
-    ``config.json`` beside it, read as hostile input (:func:`checked_config`) before anything
-    is allocated."""
+    ``config.json`` beside it (or in ``config_folder``), read as hostile input
+    (:func:`checked_config`) before anything is allocated."""
     from mergekit_loco.io import open_checkpoint
 
     with open_checkpoint(path) as reader:
-        config, tied = checked_config(reader, path, what)
+        config, tied = checked_config(reader, path, what, config_folder)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         present = reader.names()
         model.load_state_dict({name: reader.get(name) for name in present}, strict=False)
@@ -191,20 +193,22 @@ def check_pretrained(path: str | Path, what: str = "model") -> None:
 
 
 def checked_config(
-    reader: CheckpointReader, path: str | Path, what: str
+    reader: CheckpointReader, path: str | Path, what: str, config_folder: str | Path | None = None
 ) -> tuple[PretrainedConfig, set[str]]:
     """The config of the checkpoint ``reader`` reads and its tied tensor names, checked so that
     it cannot make us allocate much more than the weights hold: it may ask for at most as many
     layers as the weights hold tensors; it is built on the meta device, where its tensor names
     and shapes must be the weights'; and what it builds beyond them (buffers such as a causal
     mask) must fit in ``max(weights' bytes, MIN_UNSAVED_LIMIT)``. A config transformers cannot
-    build is one error naming the file."""
-    config_file = reader.config_dir / "config.json"
+    build is one error naming the file. ``config_folder``: where ``config.json`` is (default: the
+    folder of the weights)."""
+    config_folder = Path(config_folder) if config_folder is not None else reader.config_dir
+    config_file = config_folder / "config.json"
     if not config_file.is_file():
         raise ValueError(
-            f"{what} {shown(path)}: no config.json beside the weights ({shown(reader.config_dir)})"
+            f"{what} {shown(path)}: no config.json beside the weights ({shown(config_folder)})"
         )
-    folder = check_hf_folder(reader.config_dir, what)
+    folder = check_hf_folder(config_folder, what)
     config = _built(config_file, AutoConfig.from_pretrained, folder, **NO_REMOTE_CODE)
     layers = getattr(config, "num_hidden_layers", None)
     if isinstance(layers, int) and layers > len(reader):  # each layer costs time on meta
