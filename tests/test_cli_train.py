@@ -221,3 +221,34 @@ def test_ctrl_c_after_any_round_resumes_with_default_flags(corpus, tmp_path):
     rounds = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [e["round"] for e in rounds if e.get("event") == "round"] == list(range(1, 31))
     assert (out / "final" / "model.safetensors").is_file()
+
+
+def test_init_weights_that_do_not_fit_the_model_are_one_line_before_the_tokenizer(
+    corpus, tmp_path, capsys, monkeypatch
+):
+    """``--init weights.safetensors`` (no config.json beside it) of another shape than --model:
+    one line naming the file, the first tensor that does not fit, both shapes and the preset
+    that fits, before a tokenizer is trained (before: a 60-line load_state_dict traceback after
+    it); weights that fit train, with their own vocabulary rows (more than the tokenizer's)."""
+    from safetensors.torch import save_file
+
+    from mergekit_loco.train.model import build_model, model_config
+
+    weights = tmp_path / "merged.safetensors"
+    model = build_model(model_config("micro", 600), seed=1)
+    save_file({name: t.contiguous() for name, t in model.state_dict().items()}, weights)
+    monkeypatch.setenv("MLOCO_CACHE", str(tmp_path / "cache"))
+    flags = [*TINY_FLAGS, "--data", corpus, "--tokens", str(2 * 2 * 4 * 32), "--quiet"]
+    code, _, err = run_main(capsys, "train", *flags, "--model", "nano", "--init", weights,
+                            "--out", tmp_path / "nano")  # fmt: skip
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.strip() == (
+        f"error: --init {weights}: tensor 'model.embed_tokens.weight' is [600, 32] in the weights "
+        "but [600, 128] by --model nano; it fits --model micro"
+    )
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "nano").exists()
+    code, _, err = run_main(capsys, "train", *flags, "--init", weights, "--out", tmp_path / "micro")
+    assert code in (0, None), err
+    assert (
+        json.loads((tmp_path / "micro" / "final" / "config.json").read_text())["vocab_size"] == 600
+    )
