@@ -37,6 +37,21 @@ def previous_run(out: Path) -> list[Path]:
             or (out / name).exists()]  # fmt: skip
 
 
+def check_resumable(out: Path) -> None:
+    """Refuse ``--resume`` into an ``--out`` that is no folder: there is nothing to resume."""
+    if not out.is_dir():
+        what = "is not a folder" if out.exists() else "does not exist"
+        raise ValueError(f"{out} {what}: nothing to resume (drop --resume to start a run)")
+
+
+def start_over_advice(out: Path) -> str:
+    """How to start the run in ``out`` over: the same command, with ``--force`` once ``out``
+    holds what a run writes (:func:`previous_run`)."""
+    if previous_run(out):
+        return "run the same command with --force (and without --resume) to start over"
+    return "run the same command without --resume to start over"
+
+
 def clear_previous_run(out: Path) -> None:
     """Delete what :func:`mergekit_loco.train.run_folder.check_output` allowed; mark ``out`` as
     ours if it is new or empty."""

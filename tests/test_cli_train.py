@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -251,4 +252,48 @@ def test_init_weights_that_do_not_fit_the_model_are_one_line_before_the_tokenize
     assert code in (0, None), err
     assert (
         json.loads((tmp_path / "micro" / "final" / "config.json").read_text())["vocab_size"] == 600
+    )
+
+
+def test_resume_says_where_it_continues_from_and_what_to_do_when_it_cannot(
+    corpus, tmp_path, capsys
+):
+    """``--resume`` into a missing --out is refused before anything else (before: after the
+    header and the data); a resumed run says the round and checkpoint it continues from, or
+    that it had finished; a ``latest`` pointer naming a deleted folder gives way to the newest
+    checkpoint left, with a note (before: an error with no advice), and with none left the
+    error says how to start over."""
+    missing = tmp_path / "runs" / "nonexist"
+    code, out, err = run_main(capsys, "train", "--resume", "--out", missing)
+    assert (code, out) == (2, "")
+    assert (
+        err
+        == f"error: {missing} does not exist: nothing to resume (drop --resume to start a run)\n"
+    )
+
+    run = tmp_path / "run"
+    flags = ["--data", corpus, "--tokens", 4 * 256, "--keep-checkpoints", 2, "--stop-after", 2]
+    code, _, err = run_main(capsys, "train", *TINY_FLAGS, *flags, "--out", run)
+    assert code in (0, None), err
+    checkpoints = run / "checkpoints"
+    shutil.rmtree(checkpoints / "round-000002")
+    code, out, err = run_main(capsys, "train", "--resume", "--out", run)
+    assert code in (0, None), err
+    assert err == (f"note: {checkpoints / 'latest'} names round-000002, which does not exist; "
+                   "resuming from round-000001, the newest checkpoint left\n")  # fmt: skip
+    assert f"resuming from round 1 of 4 ({checkpoints / 'round-000001'})\n" in out
+    code, out, _ = run_main(capsys, "train", "--resume", "--out", run)  # --stop-after 2 held
+    assert code in (0, None)
+    assert f"resuming from round 2 of 4 ({checkpoints / 'round-000002'})\n" in out
+    code, out, _ = run_main(capsys, "train", "--resume", "--out", run)
+    assert code in (0, None)
+    assert (f"the run already finished its 4 rounds ({checkpoints / 'round-000004'}): nothing "
+            "left to train; its final model is evaluated and saved again") in out  # fmt: skip
+
+    for folder in checkpoints.glob("round-*"):
+        shutil.rmtree(folder)
+    code, out, err = run_main(capsys, "train", "--resume", "--out", run)
+    assert code == 2 and err == (
+        f"error: nothing to resume: {checkpoints} holds no checkpoint; run the same command with "
+        "--force (and without --resume) to start over\n"
     )
