@@ -393,11 +393,12 @@ def flip_middle_byte(path: Path) -> None:
     ("damage", "message"),
     [
         ("flip round-000002/state.json", r"checkpoint file {ckpt}/state\.json is corrupt \(sha256 "
-         r"differs from manifest\.json\); this is the only checkpoint: start over with --force$"),
+         r"differs from manifest\.json\); this is the only checkpoint: start over with --force "
+         r"instead of --resume$"),
         ("flip round-000002/worker-0003.pt", r"checkpoint file {ckpt}/worker-0003\.pt is corrupt"),
         ("cut round-000002/manifest.json", r"checkpoint {ckpt}: unreadable manifest\.json \(.+\)"),
         ("delete round-000002/shared.pt", r"checkpoint file {ckpt}/shared\.pt is missing; this is "
-         r"the only checkpoint: start over with --force$"),
+         r"the only checkpoint: start over with --force instead of --resume$"),
         ("keep round-000001, flip round-000002/shared.pt", r"checkpoint file {ckpt}/shared\.pt "
          r"is corrupt \(.+\); delete this checkpoint folder to resume from round-000001, the "
          r"one before$"),

@@ -284,7 +284,7 @@ def damaged_advice(path: Path) -> str:
     if ROUND_NAME.fullmatch(path.name):
         earlier = newest_checkpoint(path.parent, before=round_of(path))
     if earlier is None:
-        return "this is the only checkpoint: start over with --force"
+        return "this is the only checkpoint: start over with --force instead of --resume"
     return f"delete this checkpoint folder to resume from {earlier.name}, the one before"
 
 
