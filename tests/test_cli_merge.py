@@ -220,6 +220,24 @@ def bad_input(case: str, tmp_path: Path, files, sharded) -> tuple[list, list[str
         reason = {"header_cut": "header cut", "bad_json": "bad JSON header", "data_cut": "data cut"}
         tensor = ["tensor '"] if case == "data_cut" else []
         return with_model(broken), ["bad.safetensors", reason[case], *tensor]
+    if case == "config_json":  # the config.json of a model folder: its folder is suggested
+        folder = sharded[1][1]
+        return with_model(folder / "config.json"), [
+            f"{folder / 'config.json'}: not a safetensors checkpoint; give its model folder "
+            f"{folder} instead"
+        ]
+    if case == "pickle_in_model_folder":
+        folder = shutil.copytree(sharded[1][1], tmp_path / "with-bin")
+        (folder / "pytorch_model.bin").write_bytes(b"\x80\x04")
+        return with_model(folder / "pytorch_model.bin"), [
+            "pickle checkpoints are not read",
+            f"or give its model folder {folder} instead",
+        ]
+    if case == "not_safetensors":
+        (tmp_path / "notes.txt").write_text("my notes\n")
+        return with_model(tmp_path / "notes.txt"), [
+            "notes.txt: not a safetensors checkpoint; give a .safetensors file instead"
+        ]
     if case == "missing_shard":
         folder = shutil.copytree(sharded[1][1], tmp_path / "sharded-ft")
         shard = sorted(folder.glob("model-*.safetensors"))[1]
@@ -278,7 +296,8 @@ BAD_INPUTS = [
     "missing_file", "no_weights_in_folder", "header_cut", "bad_json", "data_cut", "missing_shard",
     "missing_key", "extra_key", "shape", "kind", "nan", "inf", "output_exists", "unknown_method",
     "option_not_taken", "density_range", "common_fraction_range", "dtype", "shard_size",
-    "missing_base", "model_twice", "base_as_model",
+    "missing_base", "model_twice", "base_as_model", "config_json", "pickle_in_model_folder",
+    "not_safetensors",
 ]  # fmt: skip
 
 
