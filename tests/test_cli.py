@@ -206,3 +206,31 @@ def test_threads_follow_the_flag_then_the_environment_then_the_idle_cores(monkey
         assert threads.choose_threads(None)[0] == expected, idle_jiffies
     monkeypatch.setattr(threads, "cpu_times", lambda: None)
     assert threads.choose_threads(None) == (4, "4 physical cores")
+
+
+@pytest.mark.parametrize(
+    ("args", "advice"),
+    [
+        (["compare", "--aggregators", "diloco,iso-c"],
+         "('iso-c' is a merge method; the presets that aggregate with it: isoloco, isoloco-ns, "
+         "isoc-sgd)"),
+        (["compare", "--aggregators", "mean"],
+         "('mean' is a merge method; the presets that aggregate with it: diloco, diloco-sgd)"),
+        (["train", "--preset", "ta"],
+         "('ta' is a merge method; no preset aggregates with it (mloco train --aggregator ta "
+         "does))"),
+        (["train", "--preset", "linear"],
+         "('linear' is mergekit's name of the merge method mean; the presets that aggregate with "
+         "it: diloco, diloco-sgd)"),
+    ],
+)  # fmt: skip
+def test_a_method_given_as_a_preset_is_answered_with_the_presets_that_use_it(
+    capsys, tmp_path, args, advice
+):
+    """``--aggregators diloco,iso-c`` (a method where a preset goes; before: only ``unknown
+    preset``) names the presets whose aggregator it is, from the preset table; nothing runs."""
+    code, out, err = run_main(capsys, *args, "--output" if args[0] == "compare" else "--out",
+                              tmp_path / "out")  # fmt: skip
+    assert code == 2 and out == ""
+    assert err.startswith("error: unknown preset ") and err.rstrip().endswith(advice), err
+    assert not (tmp_path / "out").exists()

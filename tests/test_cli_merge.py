@@ -270,6 +270,11 @@ def bad_input(case: str, tmp_path: Path, files, sharded) -> tuple[list, list[str
         return with_model(models[1]), [str(out), "exists", "--force"]
     if case == "unknown_method":
         return with_model(models[1], "soup"), ["unknown merge method 'soup'", "iso-cts"]
+    if case == "mergekit_method":  # mergekit's names are answered with mloco's
+        return with_model(models[1], "task_arithmetic"), [
+            "unknown merge method 'task_arithmetic'",
+            "(mergekit's task_arithmetic is ta here;",
+        ]
     if case == "option_not_taken":
         return with_model(models[1], "iso-c", "--density", "0.5"), [
             "'iso-c' does not take 'density'"
@@ -297,7 +302,7 @@ BAD_INPUTS = [
     "missing_key", "extra_key", "shape", "kind", "nan", "inf", "output_exists", "unknown_method",
     "option_not_taken", "density_range", "common_fraction_range", "dtype", "shard_size",
     "missing_base", "model_twice", "base_as_model", "config_json", "pickle_in_model_folder",
-    "not_safetensors",
+    "not_safetensors", "mergekit_method",
 ]  # fmt: skip
 
 
