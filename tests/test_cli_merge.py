@@ -410,3 +410,19 @@ def test_dtype_float64_writes_the_float64_formula(files, tmp_path):
         expected = tensor.double() + sum(t[name].double() - tensor.double() for t in tuned)
         assert merged[name].dtype == torch.float64
         torch.testing.assert_close(merged[name], expected, rtol=0, atol=1e-12)
+
+
+def test_one_model_merges_with_a_warning(files, tmp_path, capsys):
+    """``mloco merge ft1 --base base --method ties`` (one model: before, silent): the method is
+    applied to that one task vector, with one warning line on stderr; two models give none."""
+    base, models = files
+    code, _, err = run_main(capsys, "merge", models[0], "--base", base, "--method", "ties",
+                            "-o", tmp_path / "one", "-q")  # fmt: skip
+    assert code in (0, None) and (tmp_path / "one" / "model.safetensors").is_file()
+    assert err == (
+        f"warning: only one model given ({models[0]}): the output is --method ties applied to it "
+        "alone, nothing is merged; give two or more models to merge them\n"
+    )
+    code, _, err = run_main(capsys, "merge", *models, "--base", base, "--method", "ties",
+                            "-o", tmp_path / "two", "-q")  # fmt: skip
+    assert code in (0, None) and err == ""

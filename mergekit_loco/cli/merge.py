@@ -21,6 +21,7 @@ from mergekit_loco.cli.common import (
     check_seed,
     format_bytes,
     parse_choice,
+    print_warning,
     user_errors,
 )
 
@@ -233,6 +234,11 @@ def merge(
     }
     if config is not None:
         models, base, method, options = from_config(config, models, base, method, options)
+    if len(models) == 1:
+        print_warning(
+            f"only one model given ({models[0]}): the output is --method {method} applied to it "
+            "alone, nothing is merged; give two or more models to merge them"
+        )
     if output is None:
         output = default_output(models, base, method)
         if not quiet:
