@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mergekit_loco.io.atomic import claim_folder, remove_output
+from mergekit_loco.io.atomic import OutputRefused, claim_folder, remove_output, settled
+from mergekit_loco.io.files import shown
 
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
@@ -29,6 +30,22 @@ SWEEP_RUNS = "runs"
 SWEEP_KIND = "compare sweep"
 #: The ``kind`` in a run folder's ownership marker.
 RUN_KIND = "training run"
+#: The folder, in the current one, where runs go by default (``--out runs/train``): the one
+#: missing parent folder of an output that a command creates (:func:`check_output_parent`).
+RUNS = "runs"
+
+
+def check_output_parent(output: Path, option: str) -> None:
+    """Refuse an output path (``-o``, ``--out``) whose parent folder does not exist, unless it
+    is ``./runs``: a command creates the output itself, never a tree of folders a typo made."""
+    parent = settled(output).parent
+    if parent.is_dir() or parent.absolute() == Path.cwd() / RUNS:
+        return
+    what = "is not a folder" if parent.exists() else "does not exist"
+    raise OutputRefused(
+        f"{shown(output)}: the folder {shown(parent)} {what}; create it first or correct "
+        f"{option} (a command creates its output, and ./{RUNS}, but no other folder)"
+    )
 
 
 def previous_run(out: Path) -> list[Path]:

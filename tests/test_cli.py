@@ -234,3 +234,39 @@ def test_a_method_given_as_a_preset_is_answered_with_the_presets_that_use_it(
     assert code == 2 and out == ""
     assert err.startswith("error: unknown preset ") and err.rstrip().endswith(advice), err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["merge", f"{TINY}/ft1", f"{TINY}/ft2", "--base", f"{TINY}/base", "-m", "ta", "-o"],
+        ["merge", f"{TINY}/ft1", f"{TINY}/ft2", "-m", "mean", "--lora-output", "-o"],
+        ["train", "--model", "micro", "--out"],
+        ["compare", "--aggregators", "diloco", "-o"],
+        ["report", str(TINY), "-o"],
+    ],
+    ids=["merge", "merge-lora", "train", "compare", "report"],
+)
+def test_an_output_in_a_missing_folder_is_refused_naming_it(capsys, tmp_path, args):
+    """``-o /nonexistent/dir/m1`` (before: the missing folders were created): every command
+    that writes an output the user names refuses, naming the missing folder; nothing is made."""
+    output = tmp_path / "nonexistent" / "dir" / "m1"
+    code, out, err = run_main(capsys, *args, output)
+    assert code == 2 and "Traceback" not in err
+    option = args[-1]
+    assert err == (
+        f"error: {output}: the folder {output.parent} does not exist; create it first or correct "
+        f"{option} (a command creates its output, and ./runs, but no other folder)\n"
+    )
+    assert not (tmp_path / "nonexistent").exists()
+
+
+def test_runs_is_the_one_missing_folder_a_command_creates(capsys, tmp_path, monkeypatch):
+    """``-o runs/NAME`` (the docs' habit, and train's default --out runs/train) in a folder
+    without ``runs/`` creates it; one level deeper is refused."""
+    monkeypatch.chdir(tmp_path)
+    merge = ["merge", f"{TINY}/ft1", f"{TINY}/ft2", "-m", "mean", "-q", "-o"]
+    assert run_main(capsys, *merge, "runs/soup.safetensors")[0] in (0, None)
+    assert (tmp_path / "runs" / "soup.safetensors").is_file()
+    code, _, err = run_main(capsys, *merge, "runs/typo/soup.safetensors")
+    assert code == 2 and "the folder runs/typo does not exist" in err

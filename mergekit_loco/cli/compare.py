@@ -18,6 +18,7 @@ from mergekit_loco.cli.common import (
     print_warning,
     user_errors,
 )
+from mergekit_loco.run_layout import check_output_parent
 
 MODES = ("aggregators", "merge")
 DEFAULT_AGGREGATORS = "diloco,isoloco,isoloco-ns,ties,tsv,iso-cts"
@@ -188,6 +189,7 @@ def compare_command(
     console = Console(quiet=quiet)
     if mode not in MODES:
         raise ValueError(f"--mode must be one of {', '.join(MODES)}, not {mode!r}")
+    check_output_parent(output, "-o")
     if mode == "merge":
         if base is None or finetuned is None or data is None:
             raise ValueError("--mode merge needs --base, --finetuned and --data")
@@ -261,6 +263,8 @@ def report_command(
         if not folder.is_dir():
             what = "is not a folder" if folder.exists() else "does not exist"
             raise ValueError(f"{folder}: {what} (give a folder written by mloco compare -o)")
+    if output is not None:
+        check_output_parent(output, "-o")
     from mergekit_loco.compare import render
 
     render(results, output, console=Console(), figures=figures)

@@ -24,6 +24,7 @@ from mergekit_loco.cli.common import (
     print_warning,
     user_errors,
 )
+from mergekit_loco.run_layout import check_output_parent
 
 OUTPUT_DTYPES = ("float32", "bfloat16", "float16", "float64")
 COMPUTE_DTYPES = ("float32", "float64")
@@ -71,6 +72,16 @@ def missing_base(ctx: typer.Context, method: str) -> str | None:
         f"pre-trained checkpoint the models were fine-tuned from. Run: "
         f"{command_line(ctx, '--base', 'BASE')} (only --method mean needs no base)"
     )
+
+
+def warn_if_one_model(models: list, method: str) -> None:
+    """After a merge of one model (allowed): say that nothing was merged. Not before it, so
+    that a merge that fails says only why."""
+    if len(models) == 1:
+        print_warning(
+            f"only one model given ({models[0]}): the output is --method {method} applied to it "
+            "alone, nothing is merged; give two or more models to merge them"
+        )
 
 
 MERGE_KEYS = ("scale", "dtype", "compute_dtype")
@@ -234,15 +245,11 @@ def merge(
     }
     if config is not None:
         models, base, method, options = from_config(config, models, base, method, options)
-    if len(models) == 1:
-        print_warning(
-            f"only one model given ({models[0]}): the output is --method {method} applied to it "
-            "alone, nothing is merged; give two or more models to merge them"
-        )
     if output is None:
         output = default_output(models, base, method)
         if not quiet:
             typer.echo(f"writing {output} (no -o given)")
+    check_output_parent(output, "-o")
 
     try:
         if lora_output:
@@ -250,6 +257,7 @@ def merge(
 
             method_object = get_method(method, **given_params(options))
             written = merge_to_lora(models, method_object, output, options["scale"], base, force)
+            warn_if_one_model(models, method)
             if not quiet:
                 Console().print(f"wrote the merged LoRA adapter to {written}")
             return
@@ -269,5 +277,6 @@ def merge(
         raise ValueError(
             f"{output}: output {kind} exists; add --force to replace it, or choose another -o"
         ) from None
+    warn_if_one_model(models, method)
     if not quiet:
         print_summary(summary)
