@@ -25,7 +25,7 @@ from mergekit_loco.io import open_checkpoint
 from mergekit_loco.io.files import MAX_JSON_BYTES, UnsafeInputError, read_json, read_limited, shown
 from mergekit_loco.io.hf import check_hf_folder
 from mergekit_loco.run_layout import CONFIG, FINAL
-from mergekit_loco.train.data import evaluate_loss, prepare_data
+from mergekit_loco.train.data import NotEnoughData, evaluate_loss, prepare_data
 from mergekit_loco.train.model import load_pretrained
 from mergekit_loco.train.sources import split_sources
 from mergekit_loco.train.tokenizer import load_tokenizer
@@ -204,7 +204,10 @@ def evaluate_models(
         config_folder, folder = model_folders(path, tokenizer)
         model = load_model(path, device, config_folder)
         for data in datasets:
-            held_out = held_out_tokens(data, folder, tokens * val_sets, seed)
+            try:
+                held_out = held_out_tokens(data, folder, tokens * val_sets, seed)
+            except NotEnoughData as error:
+                raise ValueError(f"{error}; lower --tokens (or --val-sets)") from None
             _check_vocab(held_out, folder, model, path)
             for val_set, ids in enumerate(held_out.split(tokens)):
                 if ids.numel() < seq_len:

@@ -522,10 +522,17 @@ def test_data_shard_that_runs_short_is_refused_before_any_step(corpus, tmp_path,
         (["--aggregator=tsv", "--workers=64", "--global-batch=64", "--tokens=4096"],
          "tsv: tensor"),
         (["--workers=1024", "--global-batch=1024", "--tokens=65536"],
-         "65,536 requested (the run needs 65,536 training tokens: 1 rounds"),
+         "65,536 requested (the run needs 65,536 training tokens: 1 rounds x 65,536); lower "
+         "--global-batch, --seq-len or --inner-steps (one round needs more than there is) or "
+         "--val-tokens, or give more data\n"),
+        (["--tokens=4096000"], "(the run needs 4,096,000 training tokens: 8000 rounds x 512); "
+         "lower the token budget (--tokens or --chinchilla) or --val-tokens, or give more data\n"),
+        (["--val-tokens=100000000"], "fewer than the 100,000,000 validation tokens requested; "
+         "lower --val-tokens or give more data\n"),
     ],
     ids=["batch-not-divisible-by-R", "R-above-batch", "H-zero", "budget-below-one-round",
-         "timeout-zero", "tsv-R-above-rank", "R-needs-more-data"],
+         "timeout-zero", "tsv-R-above-rank", "R-needs-more-data", "budget-needs-more-data",
+         "val-tokens-above-data"],
 )  # fmt: skip
 def test_inconsistent_config_is_one_line_exit_2_before_any_compute(
     corpus, tmp_path, capsys, flags, message

@@ -33,6 +33,7 @@ from mergekit_loco.train.checkpoint import (
 from mergekit_loco.train.config import TrainConfig
 from mergekit_loco.train.data import (
     BatchStream,
+    NotEnoughData,
     PreparedData,
     prepare_data,
     worker_shard,
@@ -376,8 +377,15 @@ def load_data(config: TrainConfig, tokenizer_path: str | None, rounds: int) -> P
             seed=config.run.seed,
             val_seed=config.data.val_seed,
         )
-    except ValueError as error:
+    except NotEnoughData as error:
+        if error.part == "validation":
+            raise ValueError(f"{error}; lower --val-tokens or give more data") from None
+        smaller = (
+            "--global-batch, --seq-len or --inner-steps (one round needs more than there is)"
+            if rounds == 1
+            else "the token budget (--tokens or --chinchilla)"
+        )
         raise ValueError(
             f"{error} (the run needs {train_tokens:,} training tokens: {rounds} rounds x "
-            f"{config.tokens_per_round():,}; lower the token budget or give more data)"
+            f"{config.tokens_per_round():,}); lower {smaller} or --val-tokens, or give more data"
         ) from None
