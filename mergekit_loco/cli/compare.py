@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
 from mergekit_loco.cli.catalog import method_names
 from mergekit_loco.cli.common import (
@@ -18,6 +17,7 @@ from mergekit_loco.cli.common import (
     print_warning,
     user_errors,
 )
+from mergekit_loco.console import output_console
 from mergekit_loco.run_layout import check_output_parent
 
 MODES = ("aggregators", "merge")
@@ -186,7 +186,7 @@ def compare_command(
     """Which aggregator for my R and H (a FLOP-matched sweep), or which merge method (merge)."""
     from mergekit_loco.train.loop import TrainingInterrupted
 
-    console = Console(quiet=quiet)
+    console = output_console(quiet=quiet)
     if mode not in MODES:
         raise ValueError(f"--mode must be one of {', '.join(MODES)}, not {mode!r}")
     check_output_parent(output, "-o")
@@ -267,7 +267,7 @@ def report_command(
         check_output_parent(output, "-o")
     from mergekit_loco.compare import render
 
-    render(results, output, console=Console(), figures=figures)
+    render(results, output, console=output_console(), figures=figures)
 
 
 @user_errors
@@ -318,4 +318,4 @@ def eval_command(
     if as_json:
         print(json.dumps([result.record() for result in results], indent=2, allow_nan=False))
     else:
-        Console().print(evaluate.results_table(results))
+        output_console().print(evaluate.results_table(results))

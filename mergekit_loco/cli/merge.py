@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from mergekit_loco.cli.catalog import method_catalog, method_names
@@ -24,6 +23,7 @@ from mergekit_loco.cli.common import (
     print_warning,
     user_errors,
 )
+from mergekit_loco.console import output_console
 from mergekit_loco.run_layout import check_output_parent
 
 OUTPUT_DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -53,7 +53,7 @@ def print_summary(summary) -> None:
     table.add_row("time", f"{summary.seconds:.2f} s")
     table.add_row("peak memory (RSS)", format_bytes(summary.peak_rss_bytes))
     table.add_row("output", str(summary.out))
-    Console().print(table)
+    output_console().print(table)
 
 
 def default_output(models: list[Path], base: Path | None, method: str) -> Path:
@@ -259,7 +259,7 @@ def merge(
             written = merge_to_lora(models, method_object, output, options["scale"], base, force)
             warn_if_one_model(models, method)
             if not quiet:
-                Console().print(f"wrote the merged LoRA adapter to {written}")
+                output_console().print(f"wrote the merged LoRA adapter to {written}")
             return
         summary = merge_checkpoints(
             models,
