@@ -78,6 +78,10 @@ MODEL_PRESETS: dict[str, dict] = {
 }
 
 ATTENTION_IMPLEMENTATION = "sdpa"  # deterministic on CPU and faster there than "eager"
+#: The loss transformers computes from ``labels``, said outright: it guesses it from the class
+#: name, and for one that does not say it (``GPT2LMHeadModel``) warns ``loss_type=None ...
+#: unrecognized`` on every process before using this one.
+CAUSAL_LM_LOSS = "ForCausalLM"
 
 
 def model_config(
@@ -143,6 +147,7 @@ def build_model(config: PretrainedConfig, seed: int) -> PreTrainedModel:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+    model.loss_type = CAUSAL_LM_LOSS
     return model.to(torch.float32)
 
 
@@ -181,6 +186,7 @@ def load_pretrained(
         model.load_state_dict({name: reader.get(name) for name in present}, strict=False)
     if tied:
         model.tie_weights()
+    model.loss_type = CAUSAL_LM_LOSS
     return model.to(torch.float32)
 
 
