@@ -53,6 +53,7 @@ def run_main(capsys, *args) -> tuple[int, str, str]:
         ["--help"],
         [],
         ["methods"],
+        ["methods", "ties"],
         ["mrege"],
         ["merge", "--help"],
         ["report", "--help"],
@@ -270,3 +271,16 @@ def test_runs_is_the_one_missing_folder_a_command_creates(capsys, tmp_path, monk
     assert (tmp_path / "runs" / "soup.safetensors").is_file()
     code, _, err = run_main(capsys, *merge, "runs/typo/soup.safetensors")
     assert code == 2 and "the folder runs/typo does not exist" in err
+
+
+def test_methods_with_a_name_shows_that_method_in_full(capsys):
+    """``mloco methods ties`` (before: ``Got unexpected extra argument``): that method's
+    parameters with their defaults and its whole description, RST markup removed."""
+    code, out, err = run_main(capsys, "methods", "ties")
+    assert code in (0, None), err
+    lines = out.splitlines()
+    assert lines[0] == "ties" and lines[1].startswith("  parameters: density=0.2, weights=None")
+    assert "zero_sign: the sign an entry whose sum is exactly 0 takes" in out
+    assert "``" not in out and ":data:" not in out and "mean  (no --base needed)" not in out
+    code, _, err = run_main(capsys, "methods", "soup")
+    assert code == 2 and err.startswith("error: unknown merge method 'soup'; choose one of mean")

@@ -65,7 +65,7 @@ def workdir(tmp_path, monkeypatch):
 
 def test_readme_then_docs_commands_run_in_order(workdir, capsys):
     readme = commands(README)
-    assert len(readme) == 6 and not any("--quiet" in line for line in readme if " train " in line)
+    assert len(readme) == 7 and not any("--quiet" in line for line in readme if " train " in line)
     for command in readme:
         done = subprocess.run(
             [sys.executable, "-m", "mergekit_loco", *shlex.split(command)[1:]],
