@@ -4,6 +4,7 @@
 #     bash examples/merge_demo.sh [OUT_DIR]   (default: demo-out)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export PATH="$PWD/.venv/bin:$PATH"  # mloco and python of `make install`, as demo.sh does
 out="${1:-demo-out}"
 tiny=examples/tiny
 models="$tiny/ft1 $tiny/ft2 $tiny/ft3"

@@ -33,7 +33,9 @@ def make_model(seed: int = 0) -> GPT2LMHeadModel:
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
     )  # fmt: skip
     torch.manual_seed(seed)
-    return GPT2LMHeadModel(config)
+    model = GPT2LMHeadModel(config)
+    model.loss_type = "ForCausalLM"  # transformers cannot tell it from this class name, and warns
+    return model
 
 
 def make_batches(rank: int, steps: int) -> list[torch.Tensor]:

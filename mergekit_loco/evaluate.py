@@ -22,10 +22,12 @@ from transformers import PreTrainedModel
 
 from mergekit_loco.compare.stats import Spread, spread
 from mergekit_loco.io import open_checkpoint
-from mergekit_loco.io.files import MAX_JSON_BYTES, read_limited, shown
+from mergekit_loco.io.files import MAX_JSON_BYTES, UnsafeInputError, read_json, read_limited, shown
 from mergekit_loco.io.hf import check_hf_folder
-from mergekit_loco.train.data import evaluate_loss, prepare_data
+from mergekit_loco.run_layout import CONFIG, FINAL
+from mergekit_loco.train.data import NotEnoughData, evaluate_loss, prepare_data
 from mergekit_loco.train.model import load_pretrained
+from mergekit_loco.train.sources import split_sources
 from mergekit_loco.train.tokenizer import load_tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -58,22 +60,55 @@ class Evaluation:
                 "perplexity": perplexity}  # fmt: skip
 
 
-def load_model(path: str | Path, device: str | torch.device = "cpu") -> PreTrainedModel:
+def load_model(
+    path: str | Path, device: str | torch.device = "cpu", config_folder: str | Path | None = None
+) -> PreTrainedModel:
     """A causal LM from a Hugging Face folder or a ``.safetensors`` file with ``config.json``
-    beside it (sharded folders too), in float32, in eval mode (checked as hostile input:
-    :func:`~mergekit_loco.train.model.load_pretrained`)."""
-    return load_pretrained(path).to(device=device, dtype=torch.float32).eval()
+    beside it, or in ``config_folder`` (sharded folders too), in float32, in eval mode (checked
+    as hostile input: :func:`~mergekit_loco.train.model.load_pretrained`)."""
+    model = load_pretrained(path, config_folder=config_folder)
+    return model.to(device=device, dtype=torch.float32).eval()
+
+
+def model_folders(model: str | Path, tokenizer: str | Path | None = None) -> tuple[Path, Path]:
+    """``(config folder, tokenizer folder)`` of ``model``: the folder of its weights, which must
+    hold ``config.json`` and a tokenizer; ``tokenizer`` (a folder) for the tokenizer, and for
+    the config too when the weights have none beside them and it holds one (a merge written as
+    one ``.safetensors`` file, scored with the tokenizer of the model it came from). Whatever is
+    still missing is one error saying how to supply it."""
+    with open_checkpoint(model) as reader:
+        beside = reader.config_dir
+    given = check_hf_folder(tokenizer, "tokenizer") if tokenizer is not None else None
+    has_config = (beside / "config.json").is_file()
+    config = beside if has_config or given is None else given
+    has_tokenizer = given is not None or any((beside / n).is_file() for n in TOKENIZER_FILES)
+    held = {"config.json": (config / "config.json").is_file(), "tokenizer": has_tokenizer}
+    missing = tuple(name for name, present in held.items() if not present)
+    if missing:
+        raise ValueError(
+            f"{shown(model)}: no {' and no '.join(missing)} beside the weights (in "
+            f"{shown(beside)}); {MISSING_ADVICE[missing]}"
+        )
+    return config, given or check_hf_folder(beside, "tokenizer")
+
+
+#: What to do when a model's config.json, tokenizer or both are missing (:func:`model_folders`).
+MISSING_ADVICE = {
+    ("config.json", "tokenizer"): "merge to a folder instead (-o DIR: it gets the base's config "
+    "and tokenizer), or copy the config.json and tokenizer files of the model it came from beside "
+    "it, or pass --tokenizer FOLDER of that model (its config.json is used too)",
+    ("config.json",): "merge to a folder instead (-o DIR), or copy the config.json of the model "
+    "it came from beside it, or pass --tokenizer FOLDER of that model (its config.json is used "
+    "too)",
+    ("tokenizer",): "pass --tokenizer FOLDER (the tokenizer of the model it came from), or copy "
+    "its tokenizer files beside it",
+}
 
 
 def tokenizer_folder(model: str | Path, tokenizer: str | Path | None = None) -> Path:
-    """``tokenizer`` if given, else the folder of ``model``'s config, which must hold one."""
-    if tokenizer is not None:
-        return check_hf_folder(tokenizer, "tokenizer")
-    with open_checkpoint(model) as reader:
-        folder = reader.config_dir
-    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
-        raise ValueError(f"{shown(model)}: no tokenizer in {shown(folder)}; pass --tokenizer")
-    return check_hf_folder(folder, "tokenizer")
+    """``tokenizer`` if given, else the folder of ``model``'s weights, which must hold one
+    (:func:`model_folders`)."""
+    return model_folders(model, tokenizer)[1]
 
 
 def held_out_tokens(data: str, tokenizer: str | Path, tokens: int, seed: int = 0) -> torch.Tensor:
@@ -166,10 +201,13 @@ def evaluate_models(
         raise ValueError(f"--val-sets must be >= 1, got {val_sets}")
     results = []
     for path in models:
-        folder = tokenizer_folder(path, tokenizer)
-        model = load_model(path, device)
+        config_folder, folder = model_folders(path, tokenizer)
+        model = load_model(path, device, config_folder)
         for data in datasets:
-            held_out = held_out_tokens(data, folder, tokens * val_sets, seed)
+            try:
+                held_out = held_out_tokens(data, folder, tokens * val_sets, seed)
+            except NotEnoughData as error:
+                raise ValueError(f"{error}; lower --tokens (or --val-sets)") from None
             _check_vocab(held_out, folder, model, path)
             for val_set, ids in enumerate(held_out.split(tokens)):
                 if ids.numel() < seq_len:
@@ -184,6 +222,67 @@ def evaluate_models(
                 results.append(Evaluation(str(path), data, predicted, loss, val_set))
         del model
     return results
+
+
+def run_config_of(model: str | Path) -> tuple[Path, dict] | None:
+    """``(config.json, its options)`` of the training run whose final model ``model`` is (a
+    ``final/`` folder, or a file in it, beside the run's ``config.json``); None for any other
+    model, or a run config that does not read as a JSON object."""
+    folder = Path(model) if Path(model).is_dir() else Path(model).parent
+    config_file = folder.parent / CONFIG
+    if folder.name != FINAL or not config_file.is_file():
+        return None
+    try:
+        options = read_json(config_file, "run config")
+    except (UnsafeInputError, ValueError):
+        return None
+    return (config_file, options) if isinstance(options, dict) else None
+
+
+def same_data(spec: str, other: str) -> bool:
+    """Whether two data specs name the same sources (paths compared resolved)."""
+
+    def sources(text: str) -> list[str]:
+        return [str(Path(s).resolve()) if Path(s).exists() else s for s in split_sources(text)]
+
+    return sources(spec) == sources(other)
+
+
+def held_out_warnings(
+    models: Sequence[str | Path], datasets: Sequence[str], tokens: int, seed: int, val_sets: int = 1
+) -> list[str]:
+    """Why an evaluation of a training run's final model would score tokens other than the
+    run's validation set (read from its ``config.json``): more than its ``val_tokens``, another
+    seed than its validation seed, other data. Warnings, not errors: scoring other data is a
+    fair question, but not the run's held-out loss."""
+    warnings = []
+    for model in models:
+        found = run_config_of(model)
+        if found is None:
+            continue
+        config_file, run = found
+        held_out, asked = run.get("val_tokens"), tokens * val_sets
+        if isinstance(held_out, int) and asked > held_out:
+            warnings.append(
+                f"{shown(model)}: the run held out {held_out:,} validation tokens "
+                f"({shown(config_file)}), so {asked:,} evaluated tokens include tokens it "
+                f"trained on; pass --tokens {held_out // val_sets}"
+            )
+        val_seed = run.get("val_seed") if run.get("val_seed") is not None else run.get("seed")
+        if isinstance(val_seed, int) and val_seed != seed:
+            warnings.append(
+                f"{shown(model)}: the run held out its validation tokens with seed {val_seed} "
+                f"({shown(config_file)}), so --seed {seed} evaluates other documents, some of "
+                f"them trained on; pass --seed {val_seed}"
+            )
+        data = run.get("data")
+        if isinstance(data, str) and not any(same_data(data, d) for d in datasets):
+            warnings.append(
+                f"{shown(model)}: the run trained on --data {shown(data)} ({shown(config_file)}); "
+                f"the held-out tokens of {', '.join(shown(d) for d in datasets)} are not its "
+                "validation set"
+            )
+    return warnings
 
 
 def val_set_spreads(results: Sequence[Evaluation]) -> dict[tuple[str, str], Spread]:

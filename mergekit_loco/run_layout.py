@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mergekit_loco.io.atomic import claim_folder, remove_output
+from mergekit_loco.io.atomic import OutputRefused, claim_folder, remove_output, settled
+from mergekit_loco.io.files import shown
 
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
@@ -29,12 +30,43 @@ SWEEP_RUNS = "runs"
 SWEEP_KIND = "compare sweep"
 #: The ``kind`` in a run folder's ownership marker.
 RUN_KIND = "training run"
+#: The folder, in the current one, where runs go by default (``--out runs/train``): the one
+#: missing parent folder of an output that a command creates (:func:`check_output_parent`).
+RUNS = "runs"
+
+
+def check_output_parent(output: Path, option: str) -> None:
+    """Refuse an output path (``-o``, ``--out``) whose parent folder does not exist, unless it
+    is ``./runs``: a command creates the output itself, never a tree of folders a typo made."""
+    parent = settled(output).parent
+    if parent.is_dir() or parent.absolute() == Path.cwd() / RUNS:
+        return
+    what = "is not a folder" if parent.exists() else "does not exist"
+    raise OutputRefused(
+        f"{shown(output)}: the folder {shown(parent)} {what}; create it first or correct "
+        f"{option} (a command creates its output, and ./{RUNS}, but no other folder)"
+    )
 
 
 def previous_run(out: Path) -> list[Path]:
     """The files of an earlier run in ``out`` (what a fresh run with ``--force`` replaces)."""
     return [out / name for name in (METRICS, CHECKPOINTS, FINAL) if (out / name).is_symlink()
             or (out / name).exists()]  # fmt: skip
+
+
+def check_resumable(out: Path) -> None:
+    """Refuse ``--resume`` into an ``--out`` that is no folder: there is nothing to resume."""
+    if not out.is_dir():
+        what = "is not a folder" if out.exists() else "does not exist"
+        raise ValueError(f"{out} {what}: nothing to resume (drop --resume to start a run)")
+
+
+def start_over_advice(out: Path) -> str:
+    """How to start the run in ``out`` over: the same command, with ``--force`` once ``out``
+    holds what a run writes (:func:`previous_run`)."""
+    if previous_run(out):
+        return "run the same command with --force (and without --resume) to start over"
+    return "run the same command without --resume to start over"
 
 
 def clear_previous_run(out: Path) -> None:

@@ -105,9 +105,30 @@ def test_corrupt_or_missing_file_is_named(tmp_path, group):
         load_checkpoint(path, [0], rank=0)
 
 
-def test_no_checkpoint_and_dangling_pointer(tmp_path):
+def test_no_checkpoint_and_dangling_pointer(tmp_path, group):
+    """A pointer naming a deleted folder (or no pointer) gives way to the newest checkpoint
+    this tool wrote; with none (a user's look-alike folder does not count) there is none."""
     assert latest_checkpoint(tmp_path) is None
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "latest").write_text("round-000007\n")
-    with pytest.raises(CheckpointCorrupt, match="round-000007, which does not exist"):
-        latest_checkpoint(tmp_path)
+    assert latest_checkpoint(tmp_path) is None
+    (tmp_path / "checkpoints" / "round-000009").mkdir()  # not ours: no marker
+    assert latest_checkpoint(tmp_path) is None
+    for round_index in (1, 2):
+        save_checkpoint(tmp_path, make_state(round_index), group, keep=2)
+    (tmp_path / "checkpoints" / "latest").write_text("round-000007\n")
+    assert latest_checkpoint(tmp_path).name == "round-000002"
+    (tmp_path / "checkpoints" / "latest").unlink()
+    assert latest_checkpoint(tmp_path).name == "round-000002"
+
+
+def test_damaged_checkpoint_advice_depends_on_an_earlier_one(tmp_path, group):
+    """Resume from the one before only when there is one; else start over."""
+    first = save_checkpoint(tmp_path, make_state(1), group, keep=2)
+    (first / "shared.pt").unlink()
+    with pytest.raises(CheckpointCorrupt, match="missing; this is the only checkpoint: start over"):
+        load_checkpoint(first, [0], rank=0)
+    second = save_checkpoint(tmp_path, make_state(2), group, keep=2)
+    (second / "shared.pt").write_bytes(b"damaged")
+    with pytest.raises(CheckpointCorrupt, match="to resume from round-000001, the one before$"):
+        load_checkpoint(second, [0], rank=0)

@@ -53,6 +53,7 @@ def run_main(capsys, *args) -> tuple[int, str, str]:
         ["--help"],
         [],
         ["methods"],
+        ["methods", "ties"],
         ["mrege"],
         ["merge", "--help"],
         ["report", "--help"],
@@ -206,3 +207,80 @@ def test_threads_follow_the_flag_then_the_environment_then_the_idle_cores(monkey
         assert threads.choose_threads(None)[0] == expected, idle_jiffies
     monkeypatch.setattr(threads, "cpu_times", lambda: None)
     assert threads.choose_threads(None) == (4, "4 physical cores")
+
+
+@pytest.mark.parametrize(
+    ("args", "advice"),
+    [
+        (["compare", "--aggregators", "diloco,iso-c"],
+         "('iso-c' is a merge method; the presets that aggregate with it: isoloco, isoloco-ns, "
+         "isoc-sgd)"),
+        (["compare", "--aggregators", "mean"],
+         "('mean' is a merge method; the presets that aggregate with it: diloco, diloco-sgd)"),
+        (["train", "--preset", "ta"],
+         "('ta' is a merge method; no preset aggregates with it (mloco train --aggregator ta "
+         "does))"),
+        (["train", "--preset", "linear"],
+         "('linear' is mergekit's name of the merge method mean; the presets that aggregate with "
+         "it: diloco, diloco-sgd)"),
+    ],
+)  # fmt: skip
+def test_a_method_given_as_a_preset_is_answered_with_the_presets_that_use_it(
+    capsys, tmp_path, args, advice
+):
+    """``--aggregators diloco,iso-c`` (a method where a preset goes; before: only ``unknown
+    preset``) names the presets whose aggregator it is, from the preset table; nothing runs."""
+    code, out, err = run_main(capsys, *args, "--output" if args[0] == "compare" else "--out",
+                              tmp_path / "out")  # fmt: skip
+    assert code == 2 and out == ""
+    assert err.startswith("error: unknown preset ") and err.rstrip().endswith(advice), err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["merge", f"{TINY}/ft1", f"{TINY}/ft2", "--base", f"{TINY}/base", "-m", "ta", "-o"],
+        ["merge", f"{TINY}/ft1", f"{TINY}/ft2", "-m", "mean", "--lora-output", "-o"],
+        ["train", "--model", "micro", "--out"],
+        ["compare", "--aggregators", "diloco", "-o"],
+        ["report", str(TINY), "-o"],
+    ],
+    ids=["merge", "merge-lora", "train", "compare", "report"],
+)
+def test_an_output_in_a_missing_folder_is_refused_naming_it(capsys, tmp_path, args):
+    """``-o /nonexistent/dir/m1`` (before: the missing folders were created): every command
+    that writes an output the user names refuses, naming the missing folder; nothing is made."""
+    output = tmp_path / "nonexistent" / "dir" / "m1"
+    code, out, err = run_main(capsys, *args, output)
+    assert code == 2 and "Traceback" not in err
+    option = args[-1]
+    assert err == (
+        f"error: {output}: the folder {output.parent} does not exist; create it first or correct "
+        f"{option} (a command creates its output, and ./runs, but no other folder)\n"
+    )
+    assert not (tmp_path / "nonexistent").exists()
+
+
+def test_runs_is_the_one_missing_folder_a_command_creates(capsys, tmp_path, monkeypatch):
+    """``-o runs/NAME`` (the docs' habit, and train's default --out runs/train) in a folder
+    without ``runs/`` creates it; one level deeper is refused."""
+    monkeypatch.chdir(tmp_path)
+    merge = ["merge", f"{TINY}/ft1", f"{TINY}/ft2", "-m", "mean", "-q", "-o"]
+    assert run_main(capsys, *merge, "runs/soup.safetensors")[0] in (0, None)
+    assert (tmp_path / "runs" / "soup.safetensors").is_file()
+    code, _, err = run_main(capsys, *merge, "runs/typo/soup.safetensors")
+    assert code == 2 and "the folder runs/typo does not exist" in err
+
+
+def test_methods_with_a_name_shows_that_method_in_full(capsys):
+    """``mloco methods ties`` (before: ``Got unexpected extra argument``): that method's
+    parameters with their defaults and its whole description, RST markup removed."""
+    code, out, err = run_main(capsys, "methods", "ties")
+    assert code in (0, None), err
+    lines = out.splitlines()
+    assert lines[0] == "ties" and lines[1].startswith("  parameters: density=0.2, weights=None")
+    assert "zero_sign: the sign an entry whose sum is exactly 0 takes" in out
+    assert "``" not in out and ":data:" not in out and "mean  (no --base needed)" not in out
+    code, _, err = run_main(capsys, "methods", "soup")
+    assert code == 2 and err.startswith("error: unknown merge method 'soup'; choose one of mean")

@@ -220,6 +220,24 @@ def bad_input(case: str, tmp_path: Path, files, sharded) -> tuple[list, list[str
         reason = {"header_cut": "header cut", "bad_json": "bad JSON header", "data_cut": "data cut"}
         tensor = ["tensor '"] if case == "data_cut" else []
         return with_model(broken), ["bad.safetensors", reason[case], *tensor]
+    if case == "config_json":  # the config.json of a model folder: its folder is suggested
+        folder = sharded[1][1]
+        return with_model(folder / "config.json"), [
+            f"{folder / 'config.json'}: not a safetensors checkpoint; give its model folder "
+            f"{folder} instead"
+        ]
+    if case == "pickle_in_model_folder":
+        folder = shutil.copytree(sharded[1][1], tmp_path / "with-bin")
+        (folder / "pytorch_model.bin").write_bytes(b"\x80\x04")
+        return with_model(folder / "pytorch_model.bin"), [
+            "pickle checkpoints are not read",
+            f"or give its model folder {folder} instead",
+        ]
+    if case == "not_safetensors":
+        (tmp_path / "notes.txt").write_text("my notes\n")
+        return with_model(tmp_path / "notes.txt"), [
+            "notes.txt: not a safetensors checkpoint; give a .safetensors file instead"
+        ]
     if case == "missing_shard":
         folder = shutil.copytree(sharded[1][1], tmp_path / "sharded-ft")
         shard = sorted(folder.glob("model-*.safetensors"))[1]
@@ -252,6 +270,11 @@ def bad_input(case: str, tmp_path: Path, files, sharded) -> tuple[list, list[str
         return with_model(models[1]), [str(out), "exists", "--force"]
     if case == "unknown_method":
         return with_model(models[1], "soup"), ["unknown merge method 'soup'", "iso-cts"]
+    if case == "mergekit_method":  # mergekit's names are answered with mloco's
+        return with_model(models[1], "task_arithmetic"), [
+            "unknown merge method 'task_arithmetic'",
+            "(mergekit's task_arithmetic is ta here;",
+        ]
     if case == "option_not_taken":
         return with_model(models[1], "iso-c", "--density", "0.5"), [
             "'iso-c' does not take 'density'"
@@ -278,7 +301,8 @@ BAD_INPUTS = [
     "missing_file", "no_weights_in_folder", "header_cut", "bad_json", "data_cut", "missing_shard",
     "missing_key", "extra_key", "shape", "kind", "nan", "inf", "output_exists", "unknown_method",
     "option_not_taken", "density_range", "common_fraction_range", "dtype", "shard_size",
-    "missing_base", "model_twice", "base_as_model",
+    "missing_base", "model_twice", "base_as_model", "config_json", "pickle_in_model_folder",
+    "not_safetensors", "mergekit_method",
 ]  # fmt: skip
 
 
@@ -386,3 +410,19 @@ def test_dtype_float64_writes_the_float64_formula(files, tmp_path):
         expected = tensor.double() + sum(t[name].double() - tensor.double() for t in tuned)
         assert merged[name].dtype == torch.float64
         torch.testing.assert_close(merged[name], expected, rtol=0, atol=1e-12)
+
+
+def test_one_model_merges_with_a_warning(files, tmp_path, capsys):
+    """``mloco merge ft1 --base base --method ties`` (one model: before, silent): the method is
+    applied to that one task vector, with one warning line on stderr; two models give none."""
+    base, models = files
+    code, _, err = run_main(capsys, "merge", models[0], "--base", base, "--method", "ties",
+                            "-o", tmp_path / "one", "-q")  # fmt: skip
+    assert code in (0, None) and (tmp_path / "one" / "model.safetensors").is_file()
+    assert err == (
+        f"warning: only one model given ({models[0]}): the output is --method ties applied to it "
+        "alone, nothing is merged; give two or more models to merge them\n"
+    )
+    code, _, err = run_main(capsys, "merge", *models, "--base", base, "--method", "ties",
+                            "-o", tmp_path / "two", "-q")  # fmt: skip
+    assert code in (0, None) and err == ""

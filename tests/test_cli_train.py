@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -221,3 +222,78 @@ def test_ctrl_c_after_any_round_resumes_with_default_flags(corpus, tmp_path):
     rounds = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [e["round"] for e in rounds if e.get("event") == "round"] == list(range(1, 31))
     assert (out / "final" / "model.safetensors").is_file()
+
+
+def test_init_weights_that_do_not_fit_the_model_are_one_line_before_the_tokenizer(
+    corpus, tmp_path, capsys, monkeypatch
+):
+    """``--init weights.safetensors`` (no config.json beside it) of another shape than --model:
+    one line naming the file, the first tensor that does not fit, both shapes and the preset
+    that fits, before a tokenizer is trained (before: a 60-line load_state_dict traceback after
+    it); weights that fit train, with their own vocabulary rows (more than the tokenizer's)."""
+    from safetensors.torch import save_file
+
+    from mergekit_loco.train.model import build_model, model_config
+
+    weights = tmp_path / "merged.safetensors"
+    model = build_model(model_config("micro", 600), seed=1)
+    save_file({name: t.contiguous() for name, t in model.state_dict().items()}, weights)
+    monkeypatch.setenv("MLOCO_CACHE", str(tmp_path / "cache"))
+    flags = [*TINY_FLAGS, "--data", corpus, "--tokens", str(2 * 2 * 4 * 32), "--quiet"]
+    code, _, err = run_main(capsys, "train", *flags, "--model", "nano", "--init", weights,
+                            "--out", tmp_path / "nano")  # fmt: skip
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.strip() == (
+        f"error: --init {weights}: tensor 'model.embed_tokens.weight' is [600, 32] in the weights "
+        "but [600, 128] by --model nano; it fits --model micro"
+    )
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "nano").exists()
+    code, _, err = run_main(capsys, "train", *flags, "--init", weights, "--out", tmp_path / "micro")
+    assert code in (0, None), err
+    assert (
+        json.loads((tmp_path / "micro" / "final" / "config.json").read_text())["vocab_size"] == 600
+    )
+
+
+def test_resume_says_where_it_continues_from_and_what_to_do_when_it_cannot(
+    corpus, tmp_path, capsys
+):
+    """``--resume`` into a missing --out is refused before anything else (before: after the
+    header and the data); a resumed run says the round and checkpoint it continues from, or
+    that it had finished; a ``latest`` pointer naming a deleted folder gives way to the newest
+    checkpoint left, with a note (before: an error with no advice), and with none left the
+    error says how to start over."""
+    missing = tmp_path / "runs" / "nonexist"
+    code, out, err = run_main(capsys, "train", "--resume", "--out", missing)
+    assert (code, out) == (2, "")
+    assert (
+        err
+        == f"error: {missing} does not exist: nothing to resume (drop --resume to start a run)\n"
+    )
+
+    run = tmp_path / "run"
+    flags = ["--data", corpus, "--tokens", 4 * 256, "--keep-checkpoints", 2, "--stop-after", 2]
+    code, _, err = run_main(capsys, "train", *TINY_FLAGS, *flags, "--out", run)
+    assert code in (0, None), err
+    checkpoints = run / "checkpoints"
+    shutil.rmtree(checkpoints / "round-000002")
+    code, out, err = run_main(capsys, "train", "--resume", "--out", run)
+    assert code in (0, None), err
+    assert err == (f"note: {checkpoints / 'latest'} names round-000002, which does not exist; "
+                   "resuming from round-000001, the newest checkpoint left\n")  # fmt: skip
+    assert f"resuming from round 1 of 4 ({checkpoints / 'round-000001'})\n" in out
+    code, out, _ = run_main(capsys, "train", "--resume", "--out", run)  # --stop-after 2 held
+    assert code in (0, None)
+    assert f"resuming from round 2 of 4 ({checkpoints / 'round-000002'})\n" in out
+    code, out, _ = run_main(capsys, "train", "--resume", "--out", run)
+    assert code in (0, None)
+    assert (f"the run already finished its 4 rounds ({checkpoints / 'round-000004'}): nothing "
+            "left to train; its final model is evaluated and saved again") in out  # fmt: skip
+
+    for folder in checkpoints.glob("round-*"):
+        shutil.rmtree(folder)
+    code, out, err = run_main(capsys, "train", "--resume", "--out", run)
+    assert code == 2 and err == (
+        f"error: nothing to resume: {checkpoints} holds no checkpoint; run the same command with "
+        "--force (and without --resume) to start over\n"
+    )

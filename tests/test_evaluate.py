@@ -179,3 +179,68 @@ def test_a_data_path_with_a_separator_in_its_name_stays_whole(
     assert [r["data"] for r in records] == specs
     expected, _ = direct_loss(model_folder, held_out_tokens(specs[0], model_folder, 200))
     assert math.isclose(records[0]["loss"], expected, rel_tol=1e-5)
+
+
+def eval_cli(capsys, *args) -> tuple[int, str, str]:
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["eval", *map(str, args), "--seq-len", str(SEQ_LEN), "--json"])
+    captured = capsys.readouterr()
+    return exit_info.value.code, captured.out, captured.err
+
+
+def test_a_single_file_model_names_all_it_lacks_and_takes_the_tokenizers_config(
+    model_folder, corpus, tmp_path, capsys
+):
+    """``mloco eval soup.safetensors`` (a merge written as one file): one error naming both the
+    config and the tokenizer it lacks and how to supply them (before: the tokenizer first, then,
+    once given, the config); ``--tokenizer`` of a model folder supplies its config.json too."""
+    soup = tmp_path / "merges" / "soup.safetensors"
+    soup.parent.mkdir()
+    shutil.copy(model_folder / "model.safetensors", soup)
+    code, _, err = eval_cli(capsys, soup, "--data", corpus, "--tokens", TOKENS)
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert err.startswith(f"error: {soup}: no config.json and no tokenizer beside the weights")
+    assert "merge to a folder instead (-o DIR" in err and "--tokenizer FOLDER" in err
+
+    tokenizer_only = tmp_path / "tokenizer"
+    shutil.copytree(model_folder, tokenizer_only)
+    (tokenizer_only / "config.json").unlink()
+    code, _, err = eval_cli(capsys, soup, "--data", corpus, "--tokenizer", tokenizer_only)
+    assert code == 2 and err.startswith(f"error: {soup}: no config.json beside the weights")
+
+    code, out, err = eval_cli(
+        capsys, soup, model_folder, "--data", corpus, "--tokens", TOKENS,
+        "--tokenizer", model_folder,
+    )  # fmt: skip
+    assert code == 0, err
+    soup_record, folder_record = json.loads(out)
+    assert soup_record["loss"] == folder_record["loss"]
+
+
+def test_eval_of_a_run_warns_when_it_would_score_trained_tokens(corpus, tmp_path, capsys):
+    """``mloco eval RUN/final`` with more --tokens than the run held out, another --seed or other
+    --data: one warning each on stderr (from RUN/config.json), and the evaluation still runs;
+    the run's own settings give none."""
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train", "--model=micro", "--workers=2", "--inner-steps=2", "--global-batch=4",
+                  f"--seq-len={SEQ_LEN}", "--tokens=256", "--vocab-size=300", "--val-tokens=300",
+                  f"--data={corpus}", f"--out={run}", "--quiet", "--device=cpu"])  # fmt: skip
+    assert exit_info.value.code in (0, None)
+    final = run / "final"
+    code, _, err = eval_cli(capsys, final, "--data", corpus, "--tokens", 300)
+    assert code == 0 and err == ""
+    other = tmp_path / "other"
+    shutil.copytree(corpus, other)
+    code, out, err = eval_cli(capsys, final, "--data", other, "--tokens", 600, "--seed", 4)
+    assert code == 0 and json.loads(out)[0]["data"] == str(other)
+    warnings = err.strip().splitlines()
+    assert len(warnings) == 3 and all(w.startswith(f"warning: {final}: the run ") for w in warnings)
+    assert "held out 300 validation tokens" in warnings[0]
+    assert warnings[0].endswith(
+        "600 evaluated tokens include tokens it trained on; pass --tokens 300"
+    )
+    assert warnings[1].endswith("--seed 4 evaluates other documents, some of them trained on; "
+                                "pass --seed 0")  # fmt: skip
+    assert f"trained on --data {corpus}" in warnings[2]

@@ -335,10 +335,12 @@ def test_signal_before_any_checkpoint_says_resume_is_impossible(corpus, tmp_path
     with pytest.raises(TrainingInterrupted) as stopped:
         train(config, progress=False)
     assert str(stopped.value) == (
-        "interrupted during a round; no checkpoint was written yet, so --resume is not possible"
+        "interrupted during a round; no checkpoint was written yet, so --resume is not possible: "
+        "run the same command without --resume to start over"
     )
     monkeypatch.undo()
-    with pytest.raises(ValueError, match="nothing to resume: .* holds no checkpoint"):
+    with pytest.raises(ValueError, match="nothing to resume: .* holds no checkpoint; run the same "
+                       "command without --resume to start over"):  # fmt: skip
         train(config.replace(resume=True), progress=False)
     assert train(config, progress=False).finished  # starting again needs no --force
 
@@ -391,31 +393,34 @@ def flip_middle_byte(path: Path) -> None:
     ("damage", "message"),
     [
         ("flip round-000002/state.json", r"checkpoint file {ckpt}/state\.json is corrupt \(sha256 "
-         r"differs from manifest\.json\); delete this checkpoint folder to resume from the one "
-         r"before"),
+         r"differs from manifest\.json\); this is the only checkpoint: start over with --force "
+         r"instead of --resume$"),
         ("flip round-000002/worker-0003.pt", r"checkpoint file {ckpt}/worker-0003\.pt is corrupt"),
         ("cut round-000002/manifest.json", r"checkpoint {ckpt}: unreadable manifest\.json \(.+\)"),
-        ("delete round-000002/shared.pt", r"checkpoint file {ckpt}/shared\.pt is missing"),
-        ("point latest to round-000009",
-         r"{root}/latest points to round-000009, which does not exist"),
+        ("delete round-000002/shared.pt", r"checkpoint file {ckpt}/shared\.pt is missing; this is "
+         r"the only checkpoint: start over with --force instead of --resume$"),
+        ("keep round-000001, flip round-000002/shared.pt", r"checkpoint file {ckpt}/shared\.pt "
+         r"is corrupt \(.+\); delete this checkpoint folder to resume from round-000001, the "
+         r"one before$"),
     ],
     ids=["state-flipped", "worker-file-flipped", "manifest-cut", "shared-deleted",
-         "latest-dangling"],
+         "earlier-checkpoint-kept"],
 )  # fmt: skip
 def test_damaged_checkpoint_is_named_in_one_line_exit_2(stopped_run, tmp_path, capsys, damage,
                                                         message):  # fmt: skip
     run = tmp_path / "run"
     shutil.copytree(stopped_run, run)
+    if damage.startswith("keep "):  # as --keep-checkpoints 2 would have: round 1 beside round 2
+        kept, damage = damage.removeprefix("keep ").split(", ")
+        shutil.copytree(run / "checkpoints" / "round-000002", run / "checkpoints" / kept)
     action, target = damage.split(" ", 1)[0], damage.rsplit(" ", 1)[-1]
     path = run / "checkpoints" / target
     if action == "flip":
         flip_middle_byte(path)
     elif action == "cut":
         path.write_text(path.read_text()[:40])
-    elif action == "delete":
-        path.unlink()
     else:
-        (run / "checkpoints" / "latest").write_text(f"{target}\n")
+        path.unlink()
     metrics_before = (run / "metrics.jsonl").read_bytes()
     with pytest.raises(SystemExit) as exited:
         main(["train", "--out", str(run), "--resume", "--quiet"])
@@ -517,10 +522,17 @@ def test_data_shard_that_runs_short_is_refused_before_any_step(corpus, tmp_path,
         (["--aggregator=tsv", "--workers=64", "--global-batch=64", "--tokens=4096"],
          "tsv: tensor"),
         (["--workers=1024", "--global-batch=1024", "--tokens=65536"],
-         "65,536 requested (the run needs 65,536 training tokens: 1 rounds"),
+         "65,536 requested (the run needs 65,536 training tokens: 1 rounds x 65,536); lower "
+         "--global-batch, --seq-len or --inner-steps (one round needs more than there is) or "
+         "--val-tokens, or give more data\n"),
+        (["--tokens=4096000"], "(the run needs 4,096,000 training tokens: 8000 rounds x 512); "
+         "lower the token budget (--tokens or --chinchilla) or --val-tokens, or give more data\n"),
+        (["--val-tokens=100000000"], "fewer than the 100,000,000 validation tokens requested; "
+         "lower --val-tokens or give more data\n"),
     ],
     ids=["batch-not-divisible-by-R", "R-above-batch", "H-zero", "budget-below-one-round",
-         "timeout-zero", "tsv-R-above-rank", "R-needs-more-data"],
+         "timeout-zero", "tsv-R-above-rank", "R-needs-more-data", "budget-needs-more-data",
+         "val-tokens-above-data"],
 )  # fmt: skip
 def test_inconsistent_config_is_one_line_exit_2_before_any_compute(
     corpus, tmp_path, capsys, flags, message
@@ -569,15 +581,22 @@ def test_resume_with_another_config_is_refused_saying_what_differs(stopped_run, 
     assert json.loads((run / "config.json").read_text())["aggregator"] == "iso-c"
 
 
-@pytest.mark.parametrize("saved", [(0, None), (2, Path("out/checkpoints/round-000002"))])
-def test_a_failed_collective_advises_resume_only_when_a_checkpoint_exists(saved):
-    position = types.SimpleNamespace(round_number=3, last_saved=saved, distributed=True)
+@pytest.mark.parametrize(
+    ("saved", "logged"),
+    [((0, None), False), ((0, None), True), ((2, Path("out/checkpoints/round-000002")), True)],
+)
+def test_a_failed_collective_advises_resume_only_when_a_checkpoint_exists(saved, logged, tmp_path):
+    """Without a checkpoint: start over, with --force once the run folder holds metrics."""
+    if logged:
+        (tmp_path / "metrics.jsonl").write_text("")
+    position = types.SimpleNamespace(round_number=3, last_saved=saved, distributed=True,
+                                     out=tmp_path)  # fmt: skip
     with pytest.raises(CollectiveFailed) as raised:
         with naming_the_last_checkpoint(position):
             raise CollectiveFailed("rank 0 of 2: all-reduce failed after 1.0 s")
     if saved[1] is None:
         advice = ("No checkpoint was written before it. Restart every process without --resume "
-                  "(there is nothing to resume).")  # fmt: skip
+                  f"(there is nothing to resume{'; with --force' if logged else ''}).")  # fmt: skip
     else:
         advice = (f"The last good checkpoint is {saved[1]} (after round 2). Restart every "
                   "process with --resume to continue from it.")  # fmt: skip

@@ -4,6 +4,8 @@ such checkpoint: tiny GPT-2, Qwen2 and Mistral configs written here (nothing dow
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -72,3 +74,16 @@ def test_init_from_a_gpt2_checkpoint(corpus, tmp_path):
     assert set(tuned) == {name for name, _ in start.named_parameters()}
     moved = tuned["transformer.h.0.mlp.c_fc.weight"] - start.transformer.h[0].mlp.c_fc.weight
     assert 0 < moved.abs().max() < 0.1  # one round of small AdamW steps from the init
+
+
+def test_a_gpt2_run_prints_no_loss_type_warning(corpus, tmp_path):
+    """``GPT2LMHeadModel``'s class name does not tell transformers which loss ``labels`` ask
+    for; the models mloco builds say it, so no ``loss_type=None ... unrecognized`` warning
+    (before: one per process)."""
+    config_file = tmp_path / "config.json"
+    config_file.write_text(json.dumps({"model_type": "gpt2", **CONFIGS["gpt2"]}))
+    command = [sys.executable, "-m", "mergekit_loco", "train", *TINY_FLAGS, "--model",
+               str(config_file), "--data", corpus, "--out", str(tmp_path / "run")]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "loss_type" not in done.stderr, done.stderr

@@ -65,7 +65,7 @@ def workdir(tmp_path, monkeypatch):
 
 def test_readme_then_docs_commands_run_in_order(workdir, capsys):
     readme = commands(README)
-    assert len(readme) == 6 and not any("--quiet" in line for line in readme if " train " in line)
+    assert len(readme) == 7 and not any("--quiet" in line for line in readme if " train " in line)
     for command in readme:
         done = subprocess.run(
             [sys.executable, "-m", "mergekit_loco", *shlex.split(command)[1:]],
@@ -122,3 +122,50 @@ def test_demo_says_what_it_does_first_and_shows_progress():
     assert "--quiet" not in script
     assert f"about {minutes.group(1)} min" in README.split("make test")[0]
     assert "mloco train" in script and "final" in script
+
+
+def fake_venv(root: Path) -> dict[str, str]:
+    """``root/.venv/bin`` holding ``mloco`` and ``python`` of this interpreter, as ``make install``
+    leaves them, and an environment whose PATH has neither (a shell without the venv)."""
+    bin_folder = root / ".venv" / "bin"
+    bin_folder.mkdir(parents=True)
+    for name, command in (("python", ""), ("mloco", " -m mergekit_loco")):
+        (bin_folder / name).write_text(f'#!/bin/sh\nexec "{sys.executable}"{command} "$@"\n')
+        (bin_folder / name).chmod(0o755)
+    path = os.pathsep.join(p for p in ("/usr/bin", "/bin") if Path(p, "bash").exists())
+    return {**os.environ, "PATH": path, "PYTHONPATH": str(ROOT)}
+
+
+def test_merge_demo_runs_without_the_venv_on_path(tmp_path):
+    """``bash examples/merge_demo.sh`` from a shell whose PATH lacks the venv finds ``mloco``
+    and ``python`` in ``.venv/bin``, as demo.sh does (before: ``mloco: command not found``)."""
+    shutil.copytree(ROOT / "examples", tmp_path / "examples")
+    env = fake_venv(tmp_path)
+    assert shutil.which("mloco", path=env["PATH"]) is None
+    done = subprocess.run(
+        ["bash", "examples/merge_demo.sh", "out"], cwd=tmp_path, env=env,
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "command not found" not in done.stderr
+    assert (tmp_path / "out" / "iso-cts" / "model.safetensors").is_file()
+    assert "loaded out/ties: logits" in done.stdout
+
+
+def test_demo_eval_hint_scores_only_the_runs_held_out_tokens(tmp_path):
+    """The command demo.sh prints to score a trained model passes the run's --val-tokens (eval's
+    default of 65536 would score tokens the run trained on)."""
+    script = (ROOT / "examples" / "demo.sh").read_text()
+    val_tokens = re.search(r"^val_tokens=(\d+)$", script, flags=re.M).group(1)
+    assert '--val-tokens "$val_tokens"' in script
+    results = script[script.index("<<'PY'\n") + 7 : script.index("\nPY\n")]
+    for preset in ("diloco", "isoloco"):
+        (tmp_path / preset).mkdir()
+        (tmp_path / preset / "metrics.jsonl").write_text('{"event": "final", "val_loss": 4.5}\n')
+    done = subprocess.run(
+        [sys.executable, "-", str(tmp_path), val_tokens], input=results,
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    hint = next(line for line in done.stdout.splitlines() if "mloco eval" in line)
+    assert shlex.split(hint)[-2:] == ["--tokens", val_tokens]

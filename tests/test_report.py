@@ -598,3 +598,31 @@ def test_protocol_compute_sums_round_seconds(tmp_path, capsys):
     assert decide.main(["compute", str(tmp_path / "stage")]) == 0
     out = capsys.readouterr().out
     assert "2 runs, 0.75 core-hours" in out and "total: 0.75 core-hours" in out  # 2700 s
+
+
+def test_tables_are_not_cut_when_stdout_is_not_a_terminal(tmp_path, capsys, monkeypatch):
+    """``mloco report`` into a pipe, a log or CI (here pytest's capture): every cell in full
+    (before: rich's 80 columns cut them to ``aggre…`` and ``[-1.0…``), sweep and merge alike."""
+    from mergekit_loco.cli import main
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    sweep = tmp_path / "sweep"
+    for seed, loss in ((0, 3.5), (1, 3.6)):
+        write_run(sweep, f"dp-s{seed}", "dp", 1, seed, loss)
+    for seed, (diloco, isoloco) in enumerate(((3.0, 2.5), (3.2, 2.6))):
+        write_run(sweep, f"diloco-R2-H2-s{seed}", "diloco", 2, seed, diloco)
+        write_run(sweep, f"isoloco-R2-H2-s{seed}", "isoloco", 2, seed, isoloco)
+    sets = [tmp_path / "set0", tmp_path / "set1"]
+    for folder in sets:
+        folder.mkdir()
+        (folder / merge_report.EVALUATIONS).write_text(json.dumps(merge_document()))
+    outputs = []
+    for args in ([sweep], [*sets, "-o", tmp_path / "merged"]):
+        with pytest.raises(SystemExit) as exited:
+            main(["report", *map(str, args), "--no-figures"])
+        assert exited.value.code in (0, None)
+        outputs.append(capsys.readouterr().out)
+    assert all("…" not in out for out in outputs), outputs
+    # by hand: diloco - isoloco per seed 0.5, 0.6; 95% t-interval 0.55 +- 12.706 * 0.0707 / sqrt(2)
+    assert "aggregator" in outputs[0] and "+0.5500 [-0.0853, +1.1853] n.s." in outputs[0]
+    assert "mean ± std over 2 fine-tune sets" in outputs[1]

@@ -31,6 +31,7 @@ COMMANDS = {
         "List the merge methods with their parameters (defaults) and math.",
         (
             "mloco methods",
+            "mloco methods ties  # one method: its whole description",
             "mloco merge ft1 ft2 --base base --method ties --density 0.3  # a listed parameter",
         ),
     ),

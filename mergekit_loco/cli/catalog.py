@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +34,11 @@ class MethodInfo:
         """The docstring's first paragraph on one line, without RST quotes."""
         paragraph = self.doc.strip().split("\n\n")[0]
         return " ".join(paragraph.replace("``", "").split())
+
+    @property
+    def description(self) -> str:
+        """The whole docstring, without RST quotes and roles (``:data:`NAME``` is NAME)."""
+        return re.sub(r":\w+:`~?([^`]+)`", r"\1", self.doc.strip()).replace("``", "")
 
 
 def parse(module: str) -> ast.Module:

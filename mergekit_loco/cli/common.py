@@ -40,6 +40,11 @@ def print_error(message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
 
 
+def print_warning(message: str) -> None:
+    """A doubtful but valid request: one ``warning: ...`` line on stderr; the command goes on."""
+    print(f"warning: {message}", file=sys.stderr)
+
+
 def user_errors(command: Command) -> Command:
     """Turn bad-input exceptions into ``error: <one line>`` and exit 2 (re-raise if ``debug``)."""
 

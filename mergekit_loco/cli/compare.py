@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
 from mergekit_loco.cli.catalog import method_names
 from mergekit_loco.cli.common import (
@@ -15,8 +14,11 @@ from mergekit_loco.cli.common import (
     Debug,
     Quiet,
     print_error,
+    print_warning,
     user_errors,
 )
+from mergekit_loco.console import output_console
+from mergekit_loco.run_layout import check_output_parent
 
 MODES = ("aggregators", "merge")
 DEFAULT_AGGREGATORS = "diloco,isoloco,isoloco-ns,ties,tsv,iso-cts"
@@ -184,9 +186,10 @@ def compare_command(
     """Which aggregator for my R and H (a FLOP-matched sweep), or which merge method (merge)."""
     from mergekit_loco.train.loop import TrainingInterrupted
 
-    console = Console(quiet=quiet)
+    console = output_console(quiet=quiet)
     if mode not in MODES:
         raise ValueError(f"--mode must be one of {', '.join(MODES)}, not {mode!r}")
+    check_output_parent(output, "-o")
     if mode == "merge":
         if base is None or finetuned is None or data is None:
             raise ValueError("--mode merge needs --base, --finetuned and --data")
@@ -260,9 +263,11 @@ def report_command(
         if not folder.is_dir():
             what = "is not a folder" if folder.exists() else "does not exist"
             raise ValueError(f"{folder}: {what} (give a folder written by mloco compare -o)")
+    if output is not None:
+        check_output_parent(output, "-o")
     from mergekit_loco.compare import render
 
-    render(results, output, console=Console(), figures=figures)
+    render(results, output, console=output_console(), figures=figures)
 
 
 @user_errors
@@ -297,9 +302,12 @@ def eval_command(
     """Token-weighted validation loss and perplexity of each model on each dataset."""
     from mergekit_loco import evaluate
 
+    datasets = split_datasets(data)
+    for warning in evaluate.held_out_warnings(models, datasets, tokens, seed, val_sets):
+        print_warning(warning)
     results = evaluate.evaluate_models(
         models,
-        split_datasets(data),
+        datasets,
         tokens=tokens,
         seq_len=seq_len,
         tokenizer=tokenizer,
@@ -310,4 +318,4 @@ def eval_command(
     if as_json:
         print(json.dumps([result.record() for result in results], indent=2, allow_nan=False))
     else:
-        Console().print(evaluate.results_table(results))
+        output_console().print(evaluate.results_table(results))

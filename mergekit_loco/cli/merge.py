@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from mergekit_loco.cli.catalog import method_catalog, method_names
@@ -21,8 +20,11 @@ from mergekit_loco.cli.common import (
     check_seed,
     format_bytes,
     parse_choice,
+    print_warning,
     user_errors,
 )
+from mergekit_loco.console import output_console
+from mergekit_loco.run_layout import check_output_parent
 
 OUTPUT_DTYPES = ("float32", "bfloat16", "float16", "float64")
 COMPUTE_DTYPES = ("float32", "float64")
@@ -51,7 +53,7 @@ def print_summary(summary) -> None:
     table.add_row("time", f"{summary.seconds:.2f} s")
     table.add_row("peak memory (RSS)", format_bytes(summary.peak_rss_bytes))
     table.add_row("output", str(summary.out))
-    Console().print(table)
+    output_console().print(table)
 
 
 def default_output(models: list[Path], base: Path | None, method: str) -> Path:
@@ -70,6 +72,16 @@ def missing_base(ctx: typer.Context, method: str) -> str | None:
         f"pre-trained checkpoint the models were fine-tuned from. Run: "
         f"{command_line(ctx, '--base', 'BASE')} (only --method mean needs no base)"
     )
+
+
+def warn_if_one_model(models: list, method: str) -> None:
+    """After a merge of one model (allowed): say that nothing was merged. Not before it, so
+    that a merge that fails says only why."""
+    if len(models) == 1:
+        print_warning(
+            f"only one model given ({models[0]}): the output is --method {method} applied to it "
+            "alone, nothing is merged; give two or more models to merge them"
+        )
 
 
 MERGE_KEYS = ("scale", "dtype", "compute_dtype")
@@ -238,6 +250,7 @@ def merge(
         output = default_output(models, base, method)
         if not quiet:
             typer.echo(f"writing {output} (no -o given)")
+    check_output_parent(output, "-o")
 
     try:
         if lora_output:
@@ -245,8 +258,9 @@ def merge(
 
             method_object = get_method(method, **given_params(options))
             written = merge_to_lora(models, method_object, output, options["scale"], base, force)
+            warn_if_one_model(models, method)
             if not quiet:
-                Console().print(f"wrote the merged LoRA adapter to {written}")
+                output_console().print(f"wrote the merged LoRA adapter to {written}")
             return
         summary = merge_checkpoints(
             models,
@@ -264,5 +278,6 @@ def merge(
         raise ValueError(
             f"{output}: output {kind} exists; add --force to replace it, or choose another -o"
         ) from None
+    warn_if_one_model(models, method)
     if not quiet:
         print_summary(summary)

@@ -23,6 +23,7 @@ from mergekit_loco.cli.common import (
     user_errors,
 )
 from mergekit_loco.cli.threads import choose_threads
+from mergekit_loco.run_layout import check_output_parent, check_resumable
 from mergekit_loco.train.config import (
     DEFAULT_TOKENS,
     PRESETS,
@@ -309,6 +310,10 @@ def train_command(
     )  # fmt: skip
     check_not_resume_and_force(config, flags)
     run_config = resolve_config(config, **flags)
+    if run_config.checkpoint.resume:
+        check_resumable(Path(run_config.run.out))
+    else:
+        check_output_parent(Path(run_config.run.out), "--out")
     thread_count, thread_reason = choose_threads(threads)
 
     import torch

@@ -349,14 +349,31 @@ def open_checkpoint(path: str | Path) -> CheckpointReader:
         )
     if not (path.exists() or path.is_symlink()):
         raise CheckpointError(f"{shown(path)}: no such file or folder")
+    folder = model_folder_of(path)
     if path.suffix in PICKLE_SUFFIXES:
+        instead = f", or give its model folder {shown(folder)} instead" if folder else ""
         raise CheckpointError(
             f"{shown(path)}: pickle checkpoints are not read (loading one can run code); "
-            "convert it to safetensors"
+            f"convert it to safetensors{instead}"
         )
     if path.name.endswith(".index.json"):
         return with_tensors(CheckpointReader(path, path, read_index(path)))
-    return with_tensors(CheckpointReader(path, path, read_header(path)))
+    try:
+        return with_tensors(CheckpointReader(path, path, read_header(path)))
+    except CheckpointError:
+        if path.suffix == ".safetensors" or not path.is_file():  # damaged, or a FIFO, a device
+            raise
+        instead = f"its model folder {shown(folder)}" if folder else "a .safetensors file"
+        raise CheckpointError(  # config.json, a tokenizer file...: not a damaged checkpoint
+            f"{shown(path)}: not a safetensors checkpoint; give {instead} instead"
+        ) from None
+
+
+def model_folder_of(file: Path) -> Path | None:
+    """The folder of ``file`` if it is a model folder (holds ``model.safetensors`` or its
+    index), else None."""
+    folder = file.parent
+    return folder if any((folder / n).is_file() for n in (SINGLE_FILE, INDEX_FILE)) else None
 
 
 def with_tensors(reader: CheckpointReader) -> CheckpointReader:

@@ -27,6 +27,27 @@ def list_methods() -> list[str]:
     return list(METHODS)
 
 
+def mergekit_equivalent(name: str) -> str | None:
+    """The method mergekit's ``name`` translates to (``task_arithmetic`` -> ``ta``, ``linear``
+    -> ``mean``), as a ``--config`` YAML reads it; None for a name mergekit does not share."""
+    from mergekit_loco.merge_config import SHARED_METHODS  # it imports this module
+
+    shared = SHARED_METHODS.get(name)
+    return shared[0] if shared else None
+
+
+def unknown_method(name: str) -> ValueError:
+    """The error for a method name that is not registered, with mloco's name for mergekit's."""
+    message = f"unknown merge method {name!r}; choose one of {', '.join(METHODS)}"
+    ours = mergekit_equivalent(name)
+    if ours is not None:
+        message += (
+            f" (mergekit's {name} is {ours} here; a mergekit YAML given to mloco merge --config "
+            "keeps mergekit's names)"
+        )
+    return ValueError(message)
+
+
 def parse_options(name: str, pairs: Sequence[str]) -> dict[str, object]:
     """``["density=0.3", "seed=2"]`` -> ``{"density": 0.3, "seed": 2}`` for method ``name``: each
     value parsed to the type of the method's field (bool: true/false, 1/0, yes/no).
@@ -35,7 +56,7 @@ def parse_options(name: str, pairs: Sequence[str]) -> dict[str, object]:
     take, a value that does not parse, a key given twice.
     """
     if name not in METHODS:
-        raise ValueError(f"unknown merge method {name!r}; choose one of {', '.join(METHODS)}")
+        raise unknown_method(name)
     types = typing.get_type_hints(METHODS[name])
     accepted = METHODS[name].parameter_names()
     options: dict[str, object] = {}
@@ -89,7 +110,7 @@ def get_method(name: str, **params) -> MergeMethod:
     accepted; out-of-range values raise ``ValueError`` from the method itself.
     """
     if name not in METHODS:
-        raise ValueError(f"unknown merge method {name!r}; choose one of {', '.join(METHODS)}")
+        raise unknown_method(name)
     cls = METHODS[name]
     accepted = cls.parameter_names()
     unknown = [key for key in params if key not in accepted]

@@ -221,7 +221,7 @@ def owned(root: Path, name: re.Pattern) -> list[Path]:
 def prune(root: Path, keep: int, newest: str) -> None:
     """Delete all but the ``keep`` highest-numbered checkpoints (never ``newest``); only
     ``round-XXXXXX`` folders this tool wrote (:func:`owned`) are counted or deleted."""
-    rounds = sorted(owned(root, ROUND_NAME), key=lambda p: int(p.name.removeprefix("round-")))
+    rounds = sorted(owned(root, ROUND_NAME), key=round_of)
     for path in rounds[:-keep] if keep > 0 else rounds:
         if path.name != newest:
             shutil.rmtree(path, ignore_errors=True)
@@ -231,9 +231,24 @@ def latest_checkpoint(out: str | Path) -> Path | None:
     """The checkpoint ``OUT/checkpoints/latest`` points to, or None if there is none.
 
     The pointer must hold a ``round-XXXXXX`` name of a real folder inside ``checkpoints/``,
-    itself a real folder inside ``OUT`` (:func:`checkpoints_root`).
+    itself a real folder inside ``OUT`` (:func:`checkpoints_root`). A pointer that is missing,
+    or names a folder that no longer exists (deleted by hand), gives way to the newest
+    checkpoint folder this tool wrote there (:func:`newest_checkpoint`), if any.
     """
     root = checkpoints_root(out)
+    name = pointed_name(root)
+    if name is None:
+        return newest_checkpoint(root)
+    path = root / name
+    if path.is_symlink() or not path.resolve().is_relative_to(root.resolve()):
+        raise CheckpointCorrupt(
+            f"{shown(root / LATEST)} points to {name}, which leads outside {root}"
+        )
+    return path if path.is_dir() else newest_checkpoint(root)
+
+
+def pointed_name(root: Path) -> str | None:
+    """The ``round-XXXXXX`` name ``root/latest`` holds; None without a pointer."""
     pointer = root / LATEST
     if not (pointer.exists() or pointer.is_symlink()):
         return None
@@ -246,12 +261,31 @@ def latest_checkpoint(out: str | Path) -> Path | None:
         raise CheckpointCorrupt(
             f"{shown(pointer)} does not name a round-XXXXXX checkpoint folder of this run"
         )
-    path = root / name
-    if path.is_symlink() or not path.resolve().is_relative_to(root.resolve()):
-        raise CheckpointCorrupt(f"{shown(pointer)} points to {name}, which leads outside {root}")
-    if not path.is_dir():
-        raise CheckpointCorrupt(f"{shown(pointer)} points to {name}, which does not exist")
-    return path
+    return name
+
+
+def round_of(path: Path) -> int:
+    """The round a ``round-XXXXXX`` folder is named after."""
+    return int(path.name.removeprefix("round-"))
+
+
+def newest_checkpoint(root: Path, before: int | None = None) -> Path | None:
+    """The highest-numbered ``round-XXXXXX`` folder this tool wrote in ``root`` (:func:`owned`),
+    below round ``before`` if given; None if there is none."""
+    rounds = owned(root, ROUND_NAME) if root.is_dir() and not root.is_symlink() else []
+    rounds = [p for p in rounds if before is None or round_of(p) < before]
+    return max(rounds, key=round_of, default=None)
+
+
+def damaged_advice(path: Path) -> str:
+    """What to do about the damaged checkpoint ``path``: resume from the one before it, or,
+    when it is the only one, start over."""
+    earlier = None
+    if ROUND_NAME.fullmatch(path.name):
+        earlier = newest_checkpoint(path.parent, before=round_of(path))
+    if earlier is None:
+        return "this is the only checkpoint: start over with --force instead of --resume"
+    return f"delete this checkpoint folder to resume from {earlier.name}, the one before"
 
 
 def verify(path: Path, names: Iterable[str] | None = None) -> dict[str, str]:
@@ -280,7 +314,9 @@ def verify(path: Path, names: Iterable[str] | None = None) -> dict[str, str]:
         if name not in files:
             raise CheckpointCorrupt(f"checkpoint {shown(path)} lists no {name} in its manifest")
         if not (file.exists() or file.is_symlink()):
-            raise CheckpointCorrupt(f"checkpoint file {shown(file)} is missing")
+            raise CheckpointCorrupt(
+                f"checkpoint file {shown(file)} is missing; {damaged_advice(path)}"
+            )
         try:
             digest = sha256_of(file)
         except UnsafeInputError as error:
@@ -288,7 +324,7 @@ def verify(path: Path, names: Iterable[str] | None = None) -> dict[str, str]:
         if digest != files[name]:
             raise CheckpointCorrupt(
                 f"checkpoint file {shown(file)} is corrupt (sha256 differs from {MANIFEST}); "
-                "delete this checkpoint folder to resume from the one before"
+                f"{damaged_advice(path)}"
             )
     return files
 
@@ -350,7 +386,7 @@ def reading(file: Path) -> Iterator[None]:
         )
         raise CheckpointCorrupt(
             f"checkpoint file {shown(file)} does not hold what this run needs ({shown(what)}); "
-            "delete this checkpoint folder to resume from the one before"
+            f"{damaged_advice(file.parent)}"
         ) from None
     except Exception as error:  # pickle.UnpicklingError and friends from torch.load
         raise CheckpointCorrupt(

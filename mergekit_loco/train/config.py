@@ -31,7 +31,6 @@ from mergekit_loco.train.config_sections import (
     ModelConfig,
     OuterConfig,
     RunConfig,
-    check_choice,
 )
 
 #: The seed paper's tuned 178M, R = 8 values, as changes to the sections' defaults (which are
@@ -122,7 +121,7 @@ class TrainConfig:
 
     def __post_init__(self):
         check_values(self)
-        check_choice("preset", self.run.preset, PRESETS)
+        check_preset(self.run.preset)
         if self.data.global_batch % self.run.workers:
             raise ValueError(
                 f"global_batch {self.data.global_batch} is not divisible by {self.run.workers} "
@@ -373,7 +372,7 @@ def resolve_config(config_file: str | Path | None = None, **overrides: Any) -> T
             base.update(coerce_values(kept, shown(saved)))
     if "preset" in explicit:
         preset = explicit["preset"]
-        check_choice("preset", preset, PRESETS)
+        check_preset(preset)
         base.update({key: TrainConfig().to_dict()[key] for key in PRESET_KEYS})
         base.update(PRESETS[preset])
     if explicit.get("aggregator", base["aggregator"]) != base["aggregator"]:
@@ -459,14 +458,41 @@ def check_no_outer_step(
         )
 
 
+def presets_using(aggregator: str) -> list[str]:
+    """The DiLoCo presets (in :data:`PRESETS` order) whose aggregator is ``aggregator``: mean
+    -> diloco, diloco-sgd; iso-c -> isoloco, isoloco-ns, isoc-sgd; none for ta and breadcrumbs."""
+    return [
+        name
+        for name, changes in PRESETS.items()
+        if changes.get("mode", default("mode")) == "diloco"
+        and changes.get("aggregator", default("aggregator")) == aggregator
+    ]
+
+
 def aggregator_preset(aggregator: str) -> str | None:
-    """The first DiLoCo preset (in :data:`PRESETS` order) that uses ``aggregator``, if any:
-    mean -> diloco, iso-c -> isoloco, iso-cts, tsv, ties, dare; none for ta and breadcrumbs."""
-    for name, changes in PRESETS.items():
-        mode = changes.get("mode", default("mode"))
-        if mode == "diloco" and changes.get("aggregator", default("aggregator")) == aggregator:
-            return name
-    return None
+    """The first DiLoCo preset that uses ``aggregator`` (:func:`presets_using`), if any."""
+    return next(iter(presets_using(aggregator)), None)
+
+
+def check_preset(preset: str) -> None:
+    """Refuse an unknown preset; a merge method's name (``iso-c``, or mergekit's
+    ``task_arithmetic``) is answered with the presets that aggregate with it."""
+    if preset in PRESETS:
+        return
+    message = f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}"
+    from mergekit_loco.methods.registry import METHODS, mergekit_equivalent  # torch: on error only
+
+    method = preset if preset in METHODS else mergekit_equivalent(preset)
+    if method is None:
+        raise ValueError(message)
+    what = "a merge method" if method == preset else f"mergekit's name of the merge method {method}"
+    using = presets_using(method)
+    advice = (
+        f"the presets that aggregate with it: {', '.join(using)}"
+        if using
+        else f"no preset aggregates with it (mloco train --aggregator {method} does)"
+    )
+    raise ValueError(f"{message} ({preset!r} is {what}; {advice})")
 
 
 def preset_config(preset: str = "diloco", **overrides: Any) -> TrainConfig:

@@ -41,6 +41,15 @@ class DataExhausted(ValueError):
     """A worker's shard has fewer tokens left than the batch it asked for."""
 
 
+class NotEnoughData(ValueError):
+    """The data holds fewer tokens than the split asks for; ``part``: ``"validation"`` (fewer
+    than ``val_tokens`` in all) or ``"training"`` (fewer than ``max_train_tokens`` left)."""
+
+    def __init__(self, message: str, part: str):
+        super().__init__(message)
+        self.part = part
+
+
 @dataclass
 class PreparedData:
     """Token streams ready for training: 1-D int64 ``train`` and held-out ``val`` ids."""
@@ -175,9 +184,10 @@ def _tokenize_split(
     while len(val) < val_tokens:
         ids = next(encoded, None)
         if ids is None:
-            raise ValueError(
+            raise NotEnoughData(
                 f"data {spec!r} has only {len(val):,} tokens in all, fewer than the "
-                f"{val_tokens:,} validation tokens requested"
+                f"{val_tokens:,} validation tokens requested",
+                "validation",
             )
         val.extend(ids)
         held_out += 1
@@ -189,10 +199,11 @@ def _tokenize_split(
         if max_train_tokens is not None and len(train) >= max_train_tokens:
             break
     if not train or (max_train_tokens is not None and len(train) < max_train_tokens):
-        raise ValueError(
+        raise NotEnoughData(
             f"data {spec!r} has {len(train):,} training tokens ({len(documents) - held_out} "
             f"documents after holding out {held_out} for {val_tokens:,} validation tokens); "
-            f"{max_train_tokens or 1:,} requested"
+            f"{max_train_tokens or 1:,} requested",
+            "training",
         )
     return {
         "train": _int32_tensor(train[:max_train_tokens]),

@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from mergekit_loco.dist import CollectiveFailed
+from mergekit_loco.run_layout import previous_run, start_over_advice
 from mergekit_loco.train.config import TrainConfig
 from mergekit_loco.train.data import DataExhausted
 from mergekit_loco.train.signals import TrainingInterrupted
@@ -34,6 +35,7 @@ class RunPosition(Protocol):
     round_number: int  # the round running now (1-based)
     last_saved: tuple[int, Path | None]  # (round, checkpoint) of the newest checkpoint
     distributed: bool
+    out: Path  # the run folder
 
 
 @contextmanager
@@ -43,7 +45,8 @@ def naming_the_last_checkpoint(run: RunPosition) -> Iterator[None]:
     try:
         yield
     except TrainingInterrupted as interrupt:
-        raise TrainingInterrupted(resume_message(str(interrupt), run.last_saved)) from None
+        message = resume_message(str(interrupt), run.last_saved, run.out)
+        raise TrainingInterrupted(message) from None
     except TrainingDiverged as error:
         raise TrainingDiverged(f"{error}; stopping. {last_good_message(run.last_saved)}") from None
     except FloatingPointError as error:  # the outer step's non-finite pseudo-gradient
@@ -57,7 +60,8 @@ def naming_the_last_checkpoint(run: RunPosition) -> Iterator[None]:
             restart = (
                 "Restart every process with --resume to continue from it."
                 if run.last_saved[1] is not None
-                else "Restart every process without --resume (there is nothing to resume)."
+                else "Restart every process without --resume (there is nothing to resume"
+                f"{'; with --force' if previous_run(run.out) else ''})."
             )
             raise CollectiveFailed(
                 f"round {run.round_number}: {error}. {last_good_message(run.last_saved)} {restart}"
@@ -106,10 +110,13 @@ def check_data_left(workers: list[Worker], config: TrainConfig, rounds_left: int
             )
 
 
-def resume_message(what: str, last_saved: tuple[int, Path | None]) -> str:
+def resume_message(what: str, last_saved: tuple[int, Path | None], out: Path) -> str:
     round_index, path = last_saved
     if path is None:
-        return f"interrupted {what}; no checkpoint was written yet, so --resume is not possible"
+        return (
+            f"interrupted {what}; no checkpoint was written yet, so --resume is not possible: "
+            f"{start_over_advice(out)}"
+        )
     return f"interrupted {what}; --resume continues from {path} (after round {round_index})"
 
 

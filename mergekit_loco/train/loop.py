@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mergekit_loco.dist import modelled_comm_stats
-from mergekit_loco.run_layout import FINAL
+from mergekit_loco.run_layout import FINAL, LATEST
 from mergekit_loco.train import rounds as turns
+from mergekit_loco.train.checkpoint import pointed_name
 from mergekit_loco.train.config import TrainConfig
 from mergekit_loco.train.guards import (
     TrainingDiverged,
@@ -60,6 +61,7 @@ def train(config: TrainConfig, progress: bool = True) -> TrainResult:
     with open_worker_group(config) as group, StopSignals(enabled=not group.distributed) as stop:
         run = start_run(config, group, started)
         if group.is_main:
+            note_resume(run, show)
             note_other_world_size(run)
         steps_per_round = config.inner.steps * (len(run.workers) if run.driver else 1)
         display = ProgressDisplay(show and group.is_main, run.rounds, steps_per_round,
@@ -84,6 +86,26 @@ def train(config: TrainConfig, progress: bool = True) -> TrainResult:
                 if config.run.stop_after == run.completed:
                     break
         return finish(run, summary=show and group.is_main)
+
+
+def note_resume(run: Run, show: bool) -> None:
+    """Say (``show``) where a resumed run continues from, or that it had already finished; and,
+    even when quiet, on stderr, that ``checkpoints/latest`` named a folder no longer there."""
+    saved_round, path = run.last_saved
+    if not run.config.checkpoint.resume or path is None:
+        return
+    named = pointed_name(path.parent)
+    if named != path.name:
+        pointer = f"names {named}, which does not exist" if named else "is missing"
+        print(f"note: {path.parent / LATEST} {pointer}; resuming from {path.name}, the newest "
+              "checkpoint left", file=sys.stderr)  # fmt: skip
+    if not show:
+        return
+    if saved_round >= run.rounds:
+        print(f"the run already finished its {run.rounds} rounds ({path}): nothing left to "
+              "train; its final model is evaluated and saved again")  # fmt: skip
+    else:
+        print(f"resuming from round {saved_round} of {run.rounds} ({path})")
 
 
 def note_other_world_size(run: Run) -> None:

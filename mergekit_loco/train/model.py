@@ -78,6 +78,10 @@ MODEL_PRESETS: dict[str, dict] = {
 }
 
 ATTENTION_IMPLEMENTATION = "sdpa"  # deterministic on CPU and faster there than "eager"
+#: The loss transformers computes from ``labels``, said outright: it guesses it from the class
+#: name, and for one that does not say it (``GPT2LMHeadModel``) warns ``loss_type=None ...
+#: unrecognized`` on every process before using this one.
+CAUSAL_LM_LOSS = "ForCausalLM"
 
 
 def model_config(
@@ -143,6 +147,7 @@ def build_model(config: PretrainedConfig, seed: int) -> PreTrainedModel:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+    model.loss_type = CAUSAL_LM_LOSS
     return model.to(torch.float32)
 
 
@@ -166,19 +171,22 @@ def count_parameters(model: torch.nn.Module) -> int:
 MIN_UNSAVED_LIMIT = 1 << 28  # 256 MiB
 
 
-def load_pretrained(path: str | Path, what: str = "model") -> PreTrainedModel:
+def load_pretrained(
+    path: str | Path, what: str = "model", config_folder: str | Path | None = None
+) -> PreTrainedModel:
     """The float32 causal LM of a Hugging Face folder or a ``.safetensors`` file with
-    ``config.json`` beside it, read as hostile input (:func:`checked_config`) before anything
-    is allocated."""
+    ``config.json`` beside it (or in ``config_folder``), read as hostile input
+    (:func:`checked_config`) before anything is allocated."""
     from mergekit_loco.io import open_checkpoint
 
     with open_checkpoint(path) as reader:
-        config, tied = checked_config(reader, path, what)
+        config, tied = checked_config(reader, path, what, config_folder)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         present = reader.names()
         model.load_state_dict({name: reader.get(name) for name in present}, strict=False)
     if tied:
         model.tie_weights()
+    model.loss_type = CAUSAL_LM_LOSS
     return model.to(torch.float32)
 
 
@@ -191,20 +199,22 @@ def check_pretrained(path: str | Path, what: str = "model") -> None:
 
 
 def checked_config(
-    reader: CheckpointReader, path: str | Path, what: str
+    reader: CheckpointReader, path: str | Path, what: str, config_folder: str | Path | None = None
 ) -> tuple[PretrainedConfig, set[str]]:
     """The config of the checkpoint ``reader`` reads and its tied tensor names, checked so that
     it cannot make us allocate much more than the weights hold: it may ask for at most as many
     layers as the weights hold tensors; it is built on the meta device, where its tensor names
     and shapes must be the weights'; and what it builds beyond them (buffers such as a causal
     mask) must fit in ``max(weights' bytes, MIN_UNSAVED_LIMIT)``. A config transformers cannot
-    build is one error naming the file."""
-    config_file = reader.config_dir / "config.json"
+    build is one error naming the file. ``config_folder``: where ``config.json`` is (default: the
+    folder of the weights)."""
+    config_folder = Path(config_folder) if config_folder is not None else reader.config_dir
+    config_file = config_folder / "config.json"
     if not config_file.is_file():
         raise ValueError(
-            f"{what} {shown(path)}: no config.json beside the weights ({shown(reader.config_dir)})"
+            f"{what} {shown(path)}: no config.json beside the weights ({shown(config_folder)})"
         )
-    folder = check_hf_folder(reader.config_dir, what)
+    folder = check_hf_folder(config_folder, what)
     config = _built(config_file, AutoConfig.from_pretrained, folder, **NO_REMOTE_CODE)
     layers = getattr(config, "num_hidden_layers", None)
     if isinstance(layers, int) and layers > len(reader):  # each layer costs time on meta
@@ -212,10 +222,18 @@ def checked_config(
             f"{shown(config_file)}: num_hidden_layers {layers} is more than the "
             f"{len(reader)} tensors the weights {shown(reader.weights_file)} hold"
         )
+    return config, checked_fit(reader, path, what, config, shown(config_file))
+
+
+def checked_fit(
+    reader: CheckpointReader, path: str | Path, what: str, config: PretrainedConfig, source: str
+) -> set[str]:
+    """The tied tensor names of ``config``'s model, built on the meta device, after checking
+    that the weights ``reader`` reads hold its tensors with its shapes, and nothing else, and
+    that what it builds beyond them (buffers such as a causal mask) fits in
+    ``max(weights' bytes, MIN_UNSAVED_LIMIT)``. ``source`` names where ``config`` comes from."""
     with torch.device("meta"):
-        skeleton = _built(
-            config_file, AutoModelForCausalLM.from_config, config, dtype=torch.float32
-        )
+        skeleton = _built(source, AutoModelForCausalLM.from_config, config, dtype=torch.float32)
     tied = set(getattr(skeleton, "_tied_weights_keys", None) or ())
     tied = tied if config.tie_word_embeddings else set()
     state = skeleton.state_dict()
@@ -228,30 +246,66 @@ def checked_config(
         if tuple(reader.shape(name)) != shape:
             raise ValueError(
                 f"{what} {shown(path)}: tensor {name!r} is {list(reader.shape(name))} in the "
-                f"weights but {list(shape)} by {shown(config_file)}"
+                f"weights but {list(shape)} by {source}"
             )
     unexpected = sorted(present - set(state))
     if unexpected:
         raise ValueError(f"{what} {shown(path)}: tensor {unexpected[0]!r} is unexpected for "
                          f"a {config.model_type} model")  # fmt: skip
     weight_bytes = sum(reader.entry(name).end - reader.entry(name).begin for name in present)
-    _refuse_unsaved_bulk(skeleton, present | tied, weight_bytes, shown(config_file))
-    return config, tied
+    _refuse_unsaved_bulk(skeleton, present | tied, weight_bytes, source)
+    return tied
+
+
+def checkpoint_vocab(reader: CheckpointReader, spec: str) -> int:
+    """The rows of the input embedding of the weights ``reader`` reads, found by the name model
+    ``spec`` gives it (1 when they hold no such tensor: the fit check then names it missing)."""
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(model_config(spec, 1))
+    embedding = skeleton.get_input_embeddings().weight
+    name = next(n for n, p in skeleton.named_parameters() if p is embedding)
+    return reader.shape(name)[0] if name in reader and reader.shape(name) else 1
+
+
+def check_weights_fit(reader: CheckpointReader, path: str | Path, spec: str, what: str) -> None:
+    """Refuse weights without a config (``--init weights.safetensors``) that model ``spec``
+    does not hold, vocabulary rows aside (they are the checkpoint's): one line naming the first
+    tensor that does not fit, both shapes, and the ``--model`` presets that fit, if any."""
+    config = model_config(spec, checkpoint_vocab(reader, spec))
+    try:
+        checked_fit(reader, path, what, config, f"--model {spec}")
+    except ValueError as error:
+        fitting = [name for name in MODEL_PRESETS if name != spec and fits(reader, name)]
+        advice = (
+            f"it fits --model {' or '.join(fitting)}"
+            if fitting
+            else "no --model preset fits it: pass --model the config.json of the model it came "
+            "from, or put that config.json beside the weights"
+        )
+        raise ValueError(f"{error}; {advice}") from None
+
+
+def fits(reader: CheckpointReader, spec: str) -> bool:
+    """Whether model ``spec`` holds exactly the weights ``reader`` reads (vocabulary aside)."""
+    config = model_config(spec, checkpoint_vocab(reader, spec))
+    try:
+        checked_fit(reader, reader.path, "model", config, spec)
+    except ValueError:
+        return False
+    return True
 
 
 Built = TypeVar("Built")
 
 
-def _built(config_file: Path, build: Callable[..., Built], *args, **kwargs) -> Built:
+def _built(source: str | Path, build: Callable[..., Built], *args, **kwargs) -> Built:
     """``build(*args, **kwargs)``; whatever transformers raises on a malformed config becomes
-    one line naming ``config_file``."""
+    one line naming ``source`` (its config file)."""
     try:
         return build(*args, **kwargs)
     except Exception as error:  # transformers raises all kinds of errors on a malformed config
         cause = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-        raise ValueError(
-            f"{shown(config_file)}: not a model transformers can build ({cause})"
-        ) from None
+        raise ValueError(f"{shown(source)}: not a model transformers can build ({cause})") from None
 
 
 def _refuse_unsaved_bulk(

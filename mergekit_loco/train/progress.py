@@ -5,9 +5,10 @@ from __future__ import annotations
 import time
 
 import torch
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
+
+from mergekit_loco.console import output_console
 
 
 class ProgressDisplay:
@@ -68,4 +69,4 @@ def print_summary(rows: dict[str, str], title: str) -> None:
     table.add_column()
     for key, value in rows.items():
         table.add_row(key, value)
-    Console().print(table)
+    output_console().print(table)

@@ -33,6 +33,7 @@ from mergekit_loco.train.checkpoint import (
 from mergekit_loco.train.config import TrainConfig
 from mergekit_loco.train.data import (
     BatchStream,
+    NotEnoughData,
     PreparedData,
     prepare_data,
     worker_shard,
@@ -41,6 +42,9 @@ from mergekit_loco.train.diloco import DiLoCo, check_compression_has_ranks
 from mergekit_loco.train.guards import check_data_left
 from mergekit_loco.train.model import (
     build_model,
+    check_pretrained,
+    check_weights_fit,
+    checkpoint_vocab,
     count_parameters,
     load_pretrained,
     model_config,
@@ -202,6 +206,7 @@ def start_run(config: TrainConfig, group: WorkerGroup, started: float | None = N
     check_same_options(config, group)
     check_compression_has_ranks(config.outer.compression, None)  # torchrun's group, if any
     resume_from = check_output(out, config)
+    check_init(config)
     torch.manual_seed(config.run.seed)
     tokenizer_path, tokenizer = main_process_first(group, lambda: find_tokenizer(config))
     model = load_model(config, tokenizer).to(group.device).train()
@@ -315,33 +320,46 @@ def find_tokenizer(config: TrainConfig) -> tuple[str | None, PreTrainedTokenizer
     return None, load_or_train_tokenizer(config.data.source, config.data.vocab_size)
 
 
+def check_init(config: TrainConfig) -> None:
+    """Refuse an ``--init`` checkpoint the model cannot load before the tokenizer and the data
+    are prepared: a folder's config.json against its weights, weights alone against ``--model``
+    (:func:`~mergekit_loco.train.model.check_weights_fit`)."""
+    if config.model.init is None:
+        return
+    init = Path(config.model.init)
+    if (init / "config.json").is_file():
+        check_pretrained(init, "--init")
+        return
+    with open_checkpoint(init) as reader:
+        check_weights_fit(reader, init, config.model.name, "--init")
+
+
 def load_model(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> torch.nn.Module:
     """A fresh seeded model of ``config.model.name``, or the ``config.model.init`` checkpoint
-    (an HF folder with config.json, or weights matching the model), in float32."""
+    (an HF folder with config.json, or weights that fit the model, their vocabulary rows
+    included), in float32."""
     vocab = len(tokenizer)
-    model_spec = model_config(
-        config.model.name, vocab, tokenizer.bos_token_id, tokenizer.eos_token_id
-    )
     if config.model.init is None:
-        return build_model(model_spec, config.run.seed)
+        spec = model_config(
+            config.model.name, vocab, tokenizer.bos_token_id, tokenizer.eos_token_id
+        )
+        return build_model(spec, config.run.seed)
     init = Path(config.model.init)
     if (init / "config.json").is_file():
         model = load_pretrained(init, "--init")  # config checked against the weights first
     else:
-        model = build_model(model_spec, config.run.seed)
         with open_checkpoint(init) as reader:
+            check_weights_fit(reader, init, config.model.name, "--init")
+            rows = checkpoint_vocab(reader, config.model.name)
+            spec = model_config(config.model.name, rows, tokenizer.bos_token_id,
+                                tokenizer.eos_token_id)  # fmt: skip
+            model = build_model(spec, config.run.seed)
             weights = {name: reader.get(name) for name in reader.names()}
-        result = model.load_state_dict(weights, strict=False)
-        problems = [*result.missing_keys, *result.unexpected_keys]
-        if problems:
-            raise ValueError(
-                f"init checkpoint {init} does not fit model {config.model.name!r}: tensor "
-                f"{problems[0]!r} is {'missing' if result.missing_keys else 'unexpected'}"
-            )
+            model.load_state_dict(weights, strict=False)  # checked; tied copies may be absent
     if model.config.vocab_size < vocab:
         raise ValueError(
             f"init checkpoint {init} has a vocabulary of {model.config.vocab_size}, smaller than "
-            f"the tokenizer's {vocab}"
+            f"the tokenizer's {vocab}; pass --tokenizer the tokenizer it was trained with"
         )
     return model.to(torch.float32)
 
@@ -359,8 +377,15 @@ def load_data(config: TrainConfig, tokenizer_path: str | None, rounds: int) -> P
             seed=config.run.seed,
             val_seed=config.data.val_seed,
         )
-    except ValueError as error:
+    except NotEnoughData as error:
+        if error.part == "validation":
+            raise ValueError(f"{error}; lower --val-tokens or give more data") from None
+        smaller = (
+            "--global-batch, --seq-len or --inner-steps (one round needs more than there is)"
+            if rounds == 1
+            else "the token budget (--tokens or --chinchilla)"
+        )
         raise ValueError(
             f"{error} (the run needs {train_tokens:,} training tokens: {rounds} rounds x "
-            f"{config.tokens_per_round():,}; lower the token budget or give more data)"
+            f"{config.tokens_per_round():,}); lower {smaller} or --val-tokens, or give more data"
         ) from None

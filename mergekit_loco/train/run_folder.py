@@ -28,8 +28,10 @@ from mergekit_loco.run_layout import (
     LATEST,
     METRICS,
     RUN_KIND,
+    check_resumable,
     clear_previous_run,
     previous_run,
+    start_over_advice,
 )
 from mergekit_loco.train.checkpoint import (
     FILE_NAME,
@@ -52,9 +54,13 @@ def check_output(out: Path, config: TrainConfig) -> Path | None:
     resume whose run-defining config differs. Writes nothing."""
     check_out_outside_inputs(out, config)
     if config.checkpoint.resume:
+        check_resumable(out)
         checkpoint = latest_checkpoint(out)
         if checkpoint is None:
-            raise ValueError(f"nothing to resume: {out / CHECKPOINTS} holds no checkpoint")
+            raise ValueError(
+                f"nothing to resume: {out / CHECKPOINTS} holds no checkpoint; "
+                f"{start_over_advice(out)}"
+            )
         with reading(checkpoint / STATE):  # a damaged config in state.json names the file
             changes = config.differences(read_state(checkpoint)["config"])
         if changes and not config.checkpoint.allow_config_change:

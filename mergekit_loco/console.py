@@ -1,0 +1,24 @@
+"""The rich console every command prints its tables on.
+
+On a terminal rich fits a table to the terminal's width. Elsewhere (a log file, ``tee``, CI)
+it assumes 80 columns and cuts cells (``aggre…``, ``[-0.6…``); there the console is wide enough
+that no table is cut, unless ``COLUMNS`` sets a width.
+"""
+
+from __future__ import annotations
+
+import os
+
+from rich.console import Console
+
+#: The width of a console that does not write to a terminal: wider than any table we print.
+UNCUT_WIDTH = 10_000
+
+
+def output_console(**options) -> Console:
+    """``Console(**options)``, at :data:`UNCUT_WIDTH` columns when it writes to no terminal and
+    neither ``width`` nor ``$COLUMNS`` says otherwise."""
+    console = Console(**options)
+    if not console.is_terminal and "width" not in options and "COLUMNS" not in os.environ:
+        console.width = UNCUT_WIDTH
+    return console
