@@ -30,7 +30,7 @@ WEIGHT_DECAY=0.1
 # R = 2 cells put the best setting on both low edges, then in momentum again (0.6, then 0.5),
 # each time R = 2's best stayed on the momentum edge (docs/results/aggregators_tuned.md).
 OUTER_LR_GRID="${OUTER_LR_GRID:-0.5,0.71,1,1.41,2 diloco=0.248,0.35,0.497,0.7,0.987,1.4}"
-MOMENTUM_GRID="${MOMENTUM_GRID:-0.8,0.9,0.95 diloco=0.5,0.6,0.7,0.8,0.9,0.95}"
+MOMENTUM_GRID="${MOMENTUM_GRID:-0.8,0.9,0.95 diloco=0.4,0.5,0.6,0.7,0.8,0.9,0.95}"
 GRIDS=()
 for spec in $OUTER_LR_GRID; do GRIDS+=(--outer-lr-grid "$spec"); done
 for spec in $MOMENTUM_GRID; do GRIDS+=(--outer-momentum-grid "$spec"); done
