@@ -372,7 +372,7 @@ def test_claim_verdicts_by_hand():
     rows = {
         ("diloco", 2, 10): row("diloco", base),
         ("isoloco", 2, 10): row("isoloco", shifted),  # beats diloco: holds
-        ("isoc-sgd", 2, 10): row("isoc-sgd", base),
+        ("isoc-sgd", 2, 10): row("isoc-sgd", {0: 4.02, 1: 4.17, 2: 4.11}),  # base + noise
         ("diloco-sgd", 2, 10): row("diloco-sgd", shifted),  # isoc-sgd is worse: fails
         ("isoloco-ns", 2, 10): row(
             "isoloco-ns", {s: v + near[s] - base[s] for s, v in shifted.items()}
@@ -390,6 +390,12 @@ def test_claim_verdicts_by_hand():
     assert found["4. TSV vs DiLoCo"]["verdict"] == "cannot tell"
     assert found["DiLoCo vs data-parallel AdamW"]["verdict"] == "dp better"
     assert "4. TIES vs DiLoCo" not in found  # no ties cell
+    # the same cell twice (every seed differs by exactly 0.3): named, not read as a result
+    rows[("ties", 2, 10)] = row("ties", {s: v + 0.25 for s, v in base.items()})
+    twice = {f["claim"]: f for f in claims.verdicts(rows)}["4. TIES vs DiLoCo"]
+    assert twice["verdict"] == "cannot tell (every seed differs by the same amount: check the runs)"
+    assert twice["p"] is None
+    del rows[("ties", 2, 10)]
     # p-values: scipy's paired t-test on the same numbers
     expected = ttest_rel(list(shifted.values()), list(base.values())).pvalue
     assert math.isclose(found["2. IsoLoCo beats DiLoCo"]["p"], expected, rel_tol=1e-9)

@@ -90,9 +90,13 @@ def claim_rows(
 
 
 def verdict(interval: PairedInterval, kind: str, a: str, b: str) -> str:
-    """The claim's reading of one interval of ``a - b`` (see :data:`CLAIMS`)."""
+    """The claim's reading of one interval of ``a - b`` (see :data:`CLAIMS`). Seeds that all
+    differ by exactly the same amount give a zero-width interval: no evidence, but a sign that
+    two cells are one run or share their seeds' randomness, so it is named, not read."""
     if interval.separated is None:
         return "cannot tell (no interval)"
+    if interval.std == 0:
+        return "cannot tell (every seed differs by the same amount: check the runs)"
     if kind == "close":
         if -CLOSE < interval.low and interval.high < CLOSE:
             return "holds"
@@ -147,7 +151,7 @@ def verdicts(rows: Mapping[tuple, SummaryRow]) -> list[dict]:
                               "verdict": "cannot tell (a run failed)", "p": None})  # fmt: skip
                 continue
             interval = paired_interval(left.losses, right.losses)
-            tested = kind != "close" and interval.separated is not None
+            tested = kind != "close" and interval.separated is not None and interval.std != 0
             found.append({"claim": claim, "R": workers, "H": steps, "n": interval.n,
                           "verdict": verdict(interval, kind, a, b),
                           "p": p_value(interval) if tested else None})  # fmt: skip
