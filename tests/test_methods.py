@@ -742,6 +742,21 @@ def low_rank(shape, rank, generator) -> torch.Tensor:
     return left @ torch.randn(rank, shape[1], generator=generator, dtype=torch.float64)
 
 
+def rotation_moves(a: torch.Tensor, b: torch.Tensor, generator: torch.Generator):
+    """``moved(method)``: ``||merge(P a Q, P b Q) - P merge(a, b) Q|| / ||merge(a, b)||`` for
+    random orthogonal P, Q (0 for a spectral method determined by its inputs)."""
+    size = a.shape[0]
+    p, _ = torch.linalg.qr(torch.randn(size, size, generator=generator, dtype=torch.float64))
+    q, _ = torch.linalg.qr(torch.randn(size, size, generator=generator, dtype=torch.float64))
+
+    def moved(method) -> float:
+        merged = method.merge_tensor("w", [a, b])
+        rotated = method.merge_tensor("w", [p @ a @ q, p @ b @ q])
+        return float((rotated - p @ merged @ q).norm() / merged.norm())
+
+    return moved
+
+
 def test_rank_aware_tsv_is_unique_on_rank_deficient_tasks():
     """Two rank-2 16 x 16 deltas (r = 8 components kept per task): plain TSV's result moves with
     the null-space vectors LAPACK picks (a rotation P . Q of the inputs does not rotate the
@@ -750,14 +765,7 @@ def test_rank_aware_tsv_is_unique_on_rank_deficient_tasks():
     with orthogonal column and row spaces."""
     generator = torch.Generator().manual_seed(3)
     a, b = low_rank((16, 16), 2, generator), low_rank((16, 16), 2, generator)
-    p, _ = torch.linalg.qr(torch.randn(16, 16, generator=generator, dtype=torch.float64))
-    q, _ = torch.linalg.qr(torch.randn(16, 16, generator=generator, dtype=torch.float64))
-
-    def moved(method) -> float:
-        merged = method.merge_tensor("w", [a, b])
-        rotated = method.merge_tensor("w", [p @ a @ q, p @ b @ q])
-        return float((rotated - p @ merged @ q).norm() / merged.norm())
-
+    moved = rotation_moves(a, b, generator)
     assert moved(get_method("tsv")) > 0.1
     aware = get_method("tsv", rank_aware=True)
     assert moved(aware) < 1e-12
@@ -813,14 +821,7 @@ def test_rank_aware_iso_cts_is_unique_on_rank_deficient_tasks():
     ``mean(2 s_1, 2 s_2) (u_1 v_1^T + u_2 v_2^T)``; full-rank tasks give plain Iso-CTS."""
     generator = torch.Generator().manual_seed(4)
     a, b = low_rank((16, 16), 2, generator), low_rank((16, 16), 2, generator)
-    p, _ = torch.linalg.qr(torch.randn(16, 16, generator=generator, dtype=torch.float64))
-    q, _ = torch.linalg.qr(torch.randn(16, 16, generator=generator, dtype=torch.float64))
-
-    def moved(method) -> float:
-        merged = method.merge_tensor("w", [a, b])
-        rotated = method.merge_tensor("w", [p @ a @ q, p @ b @ q])
-        return float((rotated - p @ merged @ q).norm() / merged.norm())
-
+    moved = rotation_moves(a, b, generator)
     assert moved(get_method("iso-cts")) > 0.1
     assert moved(get_method("iso-cts", spectral="ns")) > 0.1
     aware = get_method("iso-cts", rank_aware=True)
