@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,7 @@ from mergekit_loco.io.hf import check_hf_folder
 from mergekit_loco.run_layout import CONFIG, FINAL
 from mergekit_loco.train.data import NotEnoughData, evaluate_loss, prepare_data
 from mergekit_loco.train.model import load_pretrained
-from mergekit_loco.train.sources import split_sources
+from mergekit_loco.train.sources import BUILTIN_SOURCES, split_sources
 from mergekit_loco.train.tokenizer import load_tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -239,13 +240,29 @@ def run_config_of(model: str | Path) -> tuple[Path, dict] | None:
     return (config_file, options) if isinstance(options, dict) else None
 
 
-def same_data(spec: str, other: str) -> bool:
-    """Whether two data specs name the same sources (paths compared resolved)."""
+def same_data(run_spec: str, spec: str) -> bool:
+    """Whether a run's data spec and ``spec`` (comma-separated) name the same sources, in order
+    (:func:`same_source`). A spec that cannot be read here (a name too long, a folder we may
+    not enter) counts as the same: no warning without evidence."""
+    try:
+        theirs, ours = split_sources(run_spec), split_sources(spec)
+        return len(theirs) == len(ours) and all(map(same_source, theirs, ours))
+    except (OSError, ValueError):
+        return True
 
-    def sources(text: str) -> list[str]:
-        return [str(Path(s).resolve()) if Path(s).exists() else s for s in split_sources(text)]
 
-    return sources(spec) == sources(other)
+def same_source(run_source: str, source: str) -> bool:
+    """Equal names; or paths that are one file or folder. A built-in corpus is only itself. A
+    run's path that does not exist from here counts as the same: it is relative to where the
+    run started, which ``config.json`` does not say."""
+    if run_source == source:
+        return True
+    if run_source in BUILTIN_SOURCES or source in BUILTIN_SOURCES:
+        return False
+    run_path, path = Path(run_source).expanduser(), Path(source).expanduser()
+    if not run_path.exists():
+        return True
+    return path.exists() and os.path.samefile(run_path, path)
 
 
 def held_out_warnings(
@@ -277,10 +294,11 @@ def held_out_warnings(
             )
         data = run.get("data")
         if isinstance(data, str) and not any(same_data(data, d) for d in datasets):
+            mixture = "+".join(split_sources(data))  # how eval names the run's mixture
             warnings.append(
-                f"{shown(model)}: the run trained on --data {shown(data)} ({shown(config_file)}); "
-                f"the held-out tokens of {', '.join(shown(d) for d in datasets)} are not its "
-                "validation set"
+                f"{shown(model)}: the run trained on --data {shown(data)} ({shown(config_file)}; "
+                f"eval --data {shown(mixture)}); the held-out tokens of "
+                f"{', '.join(shown(d) for d in datasets)} are not its validation set"
             )
     return warnings
 

@@ -250,6 +250,8 @@ def test_init_weights_that_do_not_fit_the_model_are_one_line_before_the_tokenize
     assert not (tmp_path / "cache").exists() and not (tmp_path / "nano").exists()
     code, _, err = run_main(capsys, "train", *flags, "--init", weights, "--out", tmp_path / "micro")
     assert code in (0, None), err
+    rows = re.search(r"note: --init .* has 600 vocabulary rows and the tokenizer (\d+): ", err)
+    assert rows and int(rows[1]) < 600, err  # said, since a tokenizer mismatch would be silent
     assert (
         json.loads((tmp_path / "micro" / "final" / "config.json").read_text())["vocab_size"] == 600
     )
@@ -281,10 +283,10 @@ def test_resume_says_where_it_continues_from_and_what_to_do_when_it_cannot(
     assert code in (0, None), err
     assert err == (f"note: {checkpoints / 'latest'} names round-000002, which does not exist; "
                    "resuming from round-000001, the newest checkpoint left\n")  # fmt: skip
-    assert f"resuming from round 1 of 4 ({checkpoints / 'round-000001'})\n" in out
+    assert f"resuming after round 1 of 4 ({checkpoints / 'round-000001'})\n" in out
     code, out, _ = run_main(capsys, "train", "--resume", "--out", run)  # --stop-after 2 held
     assert code in (0, None)
-    assert f"resuming from round 2 of 4 ({checkpoints / 'round-000002'})\n" in out
+    assert f"resuming after round 2 of 4 ({checkpoints / 'round-000002'})\n" in out
     code, out, _ = run_main(capsys, "train", "--resume", "--out", run)
     assert code in (0, None)
     assert (f"the run already finished its 4 rounds ({checkpoints / 'round-000004'}): nothing "

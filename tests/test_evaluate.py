@@ -244,3 +244,16 @@ def test_eval_of_a_run_warns_when_it_would_score_trained_tokens(corpus, tmp_path
     assert warnings[1].endswith("--seed 4 evaluates other documents, some of them trained on; "
                                 "pass --seed 0")  # fmt: skip
     assert f"trained on --data {corpus}" in warnings[2]
+    # a run's relative --data is relative to where it started: from elsewhere it is not
+    # compared; a path this machine cannot even look at (a name too long) is no error either
+    config_file = run / "config.json"
+    saved = json.loads(config_file.read_text())
+    for data in ("corpus", "x" * 5000):
+        config_file.write_text(json.dumps({**saved, "data": data}))
+        code, _, err = eval_cli(capsys, final, "--data", corpus, "--tokens", 300)
+        assert code == 0 and err == "", err
+    config_file.write_text(json.dumps({**saved, "data": f"{corpus},{other}"}))
+    code, _, err = eval_cli(capsys, final, "--data", f"{corpus}+{other}", "--tokens", 300)
+    assert code == 0 and err == "", err  # eval's a+b is train's a,b
+    code, _, err = eval_cli(capsys, final, "--data", corpus, "--tokens", 300)
+    assert f"; eval --data {corpus}+{other}); the held-out tokens of {corpus} are" in err

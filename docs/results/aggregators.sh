@@ -4,6 +4,7 @@
 # Usage: bash docs/results/aggregators.sh [RESULTS_DIR]
 set -euo pipefail
 export OMP_NUM_THREADS=1
+mkdir -p "$(dirname "${1:-results/aggregators}")"  # mloco creates its output, not its parents
 mloco compare \
   --aggregators diloco,diloco-sgd,isoloco,isoloco-ns,isoc-sgd,ties,tsv,iso-cts \
   --workers 2,4,8,16 --inner-steps 10 --seeds 2 \

@@ -8,6 +8,7 @@
 set -euo pipefail
 export OMP_NUM_THREADS=1
 WORK="${1:-results/aggregators_tuned}"
+mkdir -p "$WORK/inner"  # mloco creates its outputs, not the folders above them
 HERE="$(cd "$(dirname "$0")" && pwd)"
 decide() { python "$HERE/aggregators_tuned.py" "$@"; }
 

@@ -95,7 +95,7 @@ def note_resume(run: Run, show: bool) -> None:
     if not run.config.checkpoint.resume or path is None:
         return
     named = pointed_name(path.parent)
-    if named != path.name:
+    if named != path.name and run.group.is_main:
         pointer = f"names {named}, which does not exist" if named else "is missing"
         print(f"note: {path.parent / LATEST} {pointer}; resuming from {path.name}, the newest "
               "checkpoint left", file=sys.stderr)  # fmt: skip
@@ -105,7 +105,7 @@ def note_resume(run: Run, show: bool) -> None:
         print(f"the run already finished its {run.rounds} rounds ({path}): nothing left to "
               "train; its final model is evaluated and saved again")  # fmt: skip
     else:
-        print(f"resuming from round {saved_round} of {run.rounds} ({path})")
+        print(f"resuming after round {saved_round} of {run.rounds} ({path})")
 
 
 def note_other_world_size(run: Run) -> None:

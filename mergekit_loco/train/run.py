@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -210,6 +211,11 @@ def start_run(config: TrainConfig, group: WorkerGroup, started: float | None = N
     torch.manual_seed(config.run.seed)
     tokenizer_path, tokenizer = main_process_first(group, lambda: find_tokenizer(config))
     model = load_model(config, tokenizer).to(group.device).train()
+    if config.model.init is not None and model.config.vocab_size > len(tokenizer) and group.is_main:
+        print(f"note: --init {config.model.init} has {model.config.vocab_size} vocabulary rows "
+              f"and the tokenizer {len(tokenizer)}: the rows above are never used; if the "
+              "checkpoint was trained with another tokenizer, pass --tokenizer it",
+              file=sys.stderr)  # fmt: skip
     config.check_budget(count_parameters(model))
     rounds = config.total_rounds(count_parameters(model))
     steps = rounds * config.inner.steps
