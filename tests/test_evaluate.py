@@ -231,6 +231,8 @@ def test_eval_of_a_run_warns_when_it_would_score_trained_tokens(corpus, tmp_path
     final = run / "final"
     code, _, err = eval_cli(capsys, final, "--data", corpus, "--tokens", 300)
     assert code == 0 and err == ""
+    code, _, err = eval_cli(capsys, run, "--data", corpus, "--tokens", 300)  # the run, not final/
+    assert code == 2 and err.rstrip().endswith(f"(a training run: its model is {final})"), err
     other = tmp_path / "other"
     shutil.copytree(corpus, other)
     code, out, err = eval_cli(capsys, final, "--data", other, "--tokens", 600, "--seed", 4)

@@ -344,6 +344,9 @@ def open_checkpoint(path: str | Path) -> CheckpointReader:
                 return with_tensors(CheckpointReader(path, file, read(file)))
         found = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
         hint = f" (found {shown(found[0])}: convert it to safetensors first)" if found else ""
+        final = path / "final"  # a training run's folder: run_layout.FINAL holds its model
+        if any((final / name).is_file() for name in (INDEX_FILE, SINGLE_FILE)):
+            hint = f" (a training run: its model is {shown(final)})"
         raise CheckpointError(
             f"{shown(path)}: no {SINGLE_FILE} or {INDEX_FILE} in this folder{hint}"
         )
