@@ -42,9 +42,12 @@ def check_output_parent(output: Path, option: str) -> None:
     if parent.is_dir() or parent.absolute() == Path.cwd() / RUNS:
         return
     what = "is not a folder" if parent.exists() else "does not exist"
+    tilde = ""
+    if output.parts and output.parts[0].startswith("~"):  # --out=~/x: no shell expands it
+        tilde = f"; ~ is not expanded after {option}=, write {option} ~/... or $HOME/..."
     raise OutputRefused(
         f"{shown(output)}: the folder {shown(parent)} {what}; create it first or correct "
-        f"{option} (a command creates its output, and ./{RUNS}, but no other folder)"
+        f"{option} (a command creates its output, and ./{RUNS}, but no other folder){tilde}"
     )
 
 

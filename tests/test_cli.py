@@ -271,6 +271,10 @@ def test_runs_is_the_one_missing_folder_a_command_creates(capsys, tmp_path, monk
     assert (tmp_path / "runs" / "soup.safetensors").is_file()
     code, _, err = run_main(capsys, *merge, "runs/typo/soup.safetensors")
     assert code == 2 and "the folder runs/typo does not exist" in err
+    code, _, err = run_main(capsys, *merge, "~/soup.safetensors")  # as --out=~/soup passes it
+    assert code == 2 and err.rstrip().endswith("; ~ is not expanded after -o=, write -o ~/... or "
+                                               "$HOME/...")  # fmt: skip
+    assert not (tmp_path / "~").exists()
 
 
 def test_methods_with_a_name_shows_that_method_in_full(capsys):
