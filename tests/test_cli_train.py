@@ -248,6 +248,11 @@ def test_init_weights_that_do_not_fit_the_model_are_one_line_before_the_tokenize
         "but [600, 128] by --model nano; it fits --model micro"
     )
     assert not (tmp_path / "cache").exists() and not (tmp_path / "nano").exists()
+    empty = tmp_path / "empty.safetensors"  # an embedding of no rows: the file is at fault
+    save_file({**{n: t.contiguous() for n, t in model.state_dict().items()},
+               "model.embed_tokens.weight": torch.zeros(0, 32)}, empty)  # fmt: skip
+    code, _, err = run_main(capsys, "train", *flags, "--init", empty, "--out", tmp_path / "e")
+    assert code == 2 and err.startswith(f"error: --init {empty}: tensor 'model.embed_tokens."), err
     code, _, err = run_main(capsys, "train", *flags, "--init", weights, "--out", tmp_path / "micro")
     assert code in (0, None), err
     rows = re.search(r"note: --init .* has 600 vocabulary rows and the tokenizer (\d+): ", err)

@@ -259,12 +259,13 @@ def checked_fit(
 
 def checkpoint_vocab(reader: CheckpointReader, spec: str) -> int:
     """The rows of the input embedding of the weights ``reader`` reads, found by the name model
-    ``spec`` gives it (1 when they hold no such tensor: the fit check then names it missing)."""
+    ``spec`` gives it (1 when they hold no such tensor or one of no rows: the fit check then
+    names it)."""
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(model_config(spec, 1))
     embedding = skeleton.get_input_embeddings().weight
     name = next(n for n, p in skeleton.named_parameters() if p is embedding)
-    return reader.shape(name)[0] if name in reader and reader.shape(name) else 1
+    return max(reader.shape(name)[0], 1) if name in reader and reader.shape(name) else 1
 
 
 def check_weights_fit(reader: CheckpointReader, path: str | Path, spec: str, what: str) -> None:
