@@ -70,6 +70,8 @@ RUNTIME_FIELDS = frozenset(
 #: What to do with the run folder, typed for one invocation: never read from a config file nor
 #: saved in config.json (a saved ``force`` would let any copy of the file clobber a run).
 FOLDER_ACTIONS = ("resume", "allow_config_change", "force")
+#: Saved in config.json but not carried into a resume: it ends the invocation that asked.
+ONE_INVOCATION = ("stop_after",)
 FLOAT32_MAX = 3.4028234663852886e38
 #: option -> (largest value, as messages show it): a trained BPE's vocabulary (the tokenizer
 #: trainer aborts far beyond it), the collective timeout (a timedelta holds 8.6e13 seconds),
@@ -368,7 +370,8 @@ def resolve_config(config_file: str | Path | None = None, **overrides: Any) -> T
             saved_values = read_json(saved, "run config")  # a regular file, strict, bounded
             if not isinstance(saved_values, dict):
                 raise ValueError(f"{shown(saved)}: not a JSON object (a damaged run config?)")
-            kept = {k: v for k, v in saved_values.items() if k not in FOLDER_ACTIONS}  # old runs
+            dropped = (*FOLDER_ACTIONS, *ONE_INVOCATION)  # folder actions: runs of old versions
+            kept = {k: v for k, v in saved_values.items() if k not in dropped}
             base.update(coerce_values(kept, shown(saved)))
     if "preset" in explicit:
         preset = explicit["preset"]
