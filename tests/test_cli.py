@@ -238,6 +238,37 @@ def test_a_method_given_as_a_preset_is_answered_with_the_presets_that_use_it(
 
 
 @pytest.mark.parametrize(
+    "args, advice",
+    [
+        (["methods", "iso_c"], "(did you mean iso-c?)"),
+        (["methods", "TIES"], "(did you mean ties?)"),
+        (["methods", "task_arithmetic"], "(mergekit's task_arithmetic is ta here;"),
+        (["merge", "a", "b", "--method", "isoc"], "(did you mean iso-c?)"),
+        (["merge", "a", "b", "--method", "dar"], "(did you mean dare?)"),
+        (["train", "--preset", "IsoLoCo"], "(did you mean isoloco?)"),
+        (["train", "--preset", "diloco_sgd"], "(did you mean diloco-sgd?)"),
+        (["compare", "--aggregators", "diloco,isoloco_ns", "-o", "out"], "(did you mean isoloco-ns?)"),
+    ],
+)  # fmt: skip
+def test_a_misspelt_method_or_preset_is_answered_with_the_name_it_misspells(
+    capsys, tmp_path, monkeypatch, args, advice
+):
+    """Case, ``_`` for ``-`` or a dropped letter get a "did you mean"; the error comes first:
+    merge without ``-o`` announces no default output and creates nothing."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_main(capsys, *args)
+    assert code == 2 and out == "", out
+    assert err.startswith("error: unknown ") and advice in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_name_far_from_every_method_gets_no_guess(capsys):
+    code, _, err = run_main(capsys, "methods", "soup")
+    assert code == 2 and "did you mean" not in err
+    assert "choose one of mean, ta, ties, dare, breadcrumbs, tsv, iso-c, iso-cts" in err
+
+
+@pytest.mark.parametrize(
     "args",
     [
         ["merge", f"{TINY}/ft1", f"{TINY}/ft2", "--base", f"{TINY}/base", "-m", "ta", "-o"],

@@ -289,6 +289,57 @@ def test_sign_election_sums_half_precision_deltas_in_float32(name, params, dtype
     assert merged.dtype == dtype and merged.tolist() == [128.0, -1.0]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("name", "params", "shape"),
+    [
+        ("mean", {}, (4,)),
+        ("mean", {}, (2, 2)),
+        ("ta", {}, (4,)),
+        ("breadcrumbs", {"density": 1.0, "gamma": 0.0}, (4,)),
+        ("dare", {"density": 1.0}, (4,)),
+        ("tsv", {}, (4,)),
+        ("iso-c", {}, (4,)),
+        ("iso-cts", {}, (4,)),
+    ],
+)
+def test_sums_of_half_precision_deltas_are_rounded_once(name, params, shape, dtype):
+    """Sixteen deltas ``[256, 1, ..., 1]``: the mean is 271/16 = 16.9375, 17 in either dtype
+    (the sum 271, 272 for task arithmetic); added in place in bfloat16, 256 + 1 rounds back to
+    256 every time (mean 16). fp16: two deltas of 40000 (finite) average to 40000, not the inf
+    of a half-precision sum of 80000. The expected values are the float64 sums, rounded once."""
+    if dtype == torch.bfloat16:
+        values = [256.0] + [1.0] * 15
+    else:
+        values = [40000.0, 40000.0]
+    deltas = [torch.full(shape, value, dtype=dtype) for value in values]
+    exact = torch.tensor(values, dtype=torch.float64).sum()
+    expected = exact if name == "ta" else exact / len(values)
+    merged = get_method(name, **params).merge_tensor("b", deltas)
+    assert merged.dtype == dtype
+    assert torch.equal(merged, torch.full(shape, expected.item(), dtype=torch.float64).to(dtype))
+
+
+def test_dare_aggregator_seed_wraps_at_the_top_of_its_range():
+    """The largest seed, 2**63 - 1, as a DiLoCo aggregator: round r draws the masks of seed
+    ``(2**63 - 1 + r) mod 2**63`` (before: round 1 raised 'seed must be in [0, 2**63)')."""
+    top = get_method("dare", seed=2**63 - 1)
+    assert top.as_aggregator(0, 2).seed == 2**63 - 1
+    assert top.as_aggregator(1, 2) == get_method("dare", seed=0)
+    assert top.as_aggregator(5, 2) == get_method("dare", seed=4)
+
+
+def test_mergekit_trim_keeps_every_entry_tied_with_the_last_kept():
+    """``trim="mergekit"`` keeps ``max(1, int(n density))`` entries plus ties with the last
+    kept, as the docstring states: ``[1, 1, 1, 1]`` at density 0.5 keeps all four, beside
+    ``[4, 3, 2, 1]``, which keeps 2."""
+    ties = get_method("ties", density=0.5, trim="mergekit")
+    tied = torch.ones(4)
+    assert torch.equal(ties.merge_tensor("w", [tied]), tied)
+    ordered = torch.tensor([4.0, 3.0, 2.0, 1.0])
+    assert ties.merge_tensor("w", [ordered]).tolist() == [4.0, 3.0, 0.0, 0.0]
+
+
 def test_dare_masks_of_a_large_seed_are_its_formula_modulo_2_64():
     """A seed above 2**64 / 1000003 (before: an overflow in manual_seed) draws the mask of
     ``(seed * 1000003 + crc32(name) + task) mod 2**64``, written out here."""

@@ -232,6 +232,7 @@ def merge(
     from mergekit_loco.io import OutputExistsError
     from mergekit_loco.merge import merge_checkpoints
     from mergekit_loco.methods import get_method, parse_options
+    from mergekit_loco.methods.registry import METHODS, unknown_method
 
     given = {name: value for name, value in given.items() if value is not None}
     for key, value in (parse_options(method, option) if option else {}).items():
@@ -246,6 +247,8 @@ def merge(
     }
     if config is not None:
         models, base, method, options = from_config(config, models, base, method, options)
+    if method not in METHODS:  # before a default -o is announced
+        raise unknown_method(method)
     if output is None:
         output = default_output(models, base, method)
         if not quiet:

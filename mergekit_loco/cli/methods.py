@@ -23,9 +23,9 @@ def methods(
 ) -> None:
     """List the merge methods with their parameters (defaults) and math."""
     if name is not None and name not in method_names():
-        raise ValueError(
-            f"unknown merge method {name!r}; choose one of {', '.join(method_names())}"
-        )
+        from mergekit_loco.methods.registry import unknown_method  # torch: on error only
+
+        raise unknown_method(name)
     console = output_console(highlight=False)
     for info in method_catalog():
         if name is None:

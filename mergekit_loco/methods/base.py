@@ -171,17 +171,20 @@ class OfWorkerMean(MergeMethod):
 
 
 def sum_of(deltas: Iterable[torch.Tensor]) -> torch.Tensor:
-    """``sum_t tau_t``, accumulated in place (one extra tensor, not a T-fold stack)."""
+    """``sum_t tau_t``, accumulated in place (one extra tensor, not a T-fold stack) in float32
+    at least: half-precision deltas are rounded once, by the caller, not at every addition
+    (in bfloat16, ``256 + 1`` is ``256`` again)."""
     remaining = iter(deltas)
-    total = next(remaining).clone()
+    first = next(remaining)
+    total = first.to(torch.promote_types(first.dtype, torch.float32), copy=True)
     for delta in remaining:
         total += delta
     return total
 
 
 def mean_of(deltas: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``(1/T) sum_t tau_t``."""
-    return sum_of(deltas).div_(len(deltas))
+    """``(1/T) sum_t tau_t`` in the deltas' dtype (summed as :func:`sum_of`)."""
+    return sum_of(deltas).div_(len(deltas)).to(deltas[0].dtype)
 
 
 def is_matrix_shape(shape: Sequence[int]) -> bool:

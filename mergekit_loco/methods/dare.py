@@ -118,5 +118,5 @@ class Dare(MergeMethod):
         )  # fmt: skip
 
     def as_aggregator(self, round_index: int, workers: int) -> Dare:
-        """Fresh masks every outer step: seed ``seed + round_index``."""
-        return dataclasses.replace(self, seed=self.seed + round_index)
+        """Fresh masks every outer step: seed ``(seed + round_index) mod 2**63``."""
+        return dataclasses.replace(self, seed=(self.seed + round_index) % 2**63)

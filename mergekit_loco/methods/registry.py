@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import math
 import types
 import typing
@@ -36,8 +37,17 @@ def mergekit_equivalent(name: str) -> str | None:
     return shared[0] if shared else None
 
 
+def closest_name(name: str, names: Sequence[str]) -> str | None:
+    """The one of ``names`` that ``name`` most likely misspells (case, ``_`` for ``-``, a
+    dropped or swapped letter: ``ISO_C``, ``isoc`` -> ``iso-c``), or None."""
+    spelled = str(name).lower().replace("_", "-")
+    matches = difflib.get_close_matches(spelled, list(names), n=1, cutoff=0.75)
+    return matches[0] if matches else None
+
+
 def unknown_method(name: str) -> ValueError:
-    """The error for a method name that is not registered, with mloco's name for mergekit's."""
+    """The error for a method name that is not registered, with mloco's name for mergekit's,
+    or the registered name it misspells."""
     message = f"unknown merge method {name!r}; choose one of {', '.join(METHODS)}"
     ours = mergekit_equivalent(name)
     if ours is not None:
@@ -45,6 +55,8 @@ def unknown_method(name: str) -> ValueError:
             f" (mergekit's {name} is {ours} here; a mergekit YAML given to mloco merge --config "
             "keeps mergekit's names)"
         )
+    elif (close := closest_name(name, list(METHODS))) is not None:
+        message += f" (did you mean {close}?)"
     return ValueError(message)
 
 

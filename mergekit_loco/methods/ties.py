@@ -286,7 +286,9 @@ class Ties(MergeMethod):
     task; default 0.2. weights: ``w_t``, one per task (default 1 each: the disjoint mean).
     normalize=False drops the division (mergekit's ``normalize: false``). trim: "reference"
     (the TIES code: keep ``|x| >=`` the ``(n - int(n density))``-th smallest, which is
-    ``int(n density) + 1`` entries) or "mergekit" (``max(1, int(n density))`` entries).
+    ``int(n density) + 1`` entries) or "mergekit" (``max(1, int(n density))`` entries; both
+    keep every entry tied with the last one kept, where mergekit's argsort keeps exactly k and
+    breaks ties arbitrarily).
     zero_sign: the sign an entry whose sum is exactly 0 takes, "majority" (the TIES code) or
     "positive" (mergekit), see :data:`ZERO_SIGNS`.
     """

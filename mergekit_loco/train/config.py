@@ -483,11 +483,16 @@ def check_preset(preset: str) -> None:
     if preset in PRESETS:
         return
     message = f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}"
-    from mergekit_loco.methods.registry import METHODS, mergekit_equivalent  # torch: on error only
+    from mergekit_loco.methods.registry import (  # torch: on error only
+        METHODS,
+        closest_name,
+        mergekit_equivalent,
+    )
 
     method = preset if preset in METHODS else mergekit_equivalent(preset)
     if method is None:
-        raise ValueError(message)
+        close = closest_name(preset, list(PRESETS))
+        raise ValueError(message + (f" (did you mean {close}?)" if close else ""))
     what = "a merge method" if method == preset else f"mergekit's name of the merge method {method}"
     using = presets_using(method)
     advice = (
