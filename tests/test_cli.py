@@ -247,7 +247,8 @@ def test_a_method_given_as_a_preset_is_answered_with_the_presets_that_use_it(
         (["merge", "a", "b", "--method", "dar"], "(did you mean dare?)"),
         (["train", "--preset", "IsoLoCo"], "(did you mean isoloco?)"),
         (["train", "--preset", "diloco_sgd"], "(did you mean diloco-sgd?)"),
-        (["compare", "--aggregators", "diloco,isoloco_ns", "-o", "out"], "(did you mean isoloco-ns?)"),
+        (["compare", "--aggregators", "diloco,isoloco_ns", "-o", "out"],
+         "(did you mean isoloco-ns?)"),
     ],
 )  # fmt: skip
 def test_a_misspelt_method_or_preset_is_answered_with_the_name_it_misspells(
