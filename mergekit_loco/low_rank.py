@@ -27,6 +27,7 @@ import torch
 from mergekit_loco.io import CheckpointError, open_checkpoint
 from mergekit_loco.io.lora import (
     ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
     KEY_PREFIX,
     LoraAdapter,
     is_lora_adapter,
@@ -148,23 +149,35 @@ def merge_to_lora(
     scale: float = 1.0,
     base: str | Path | None = None,
     force: bool = False,
+    dtype: torch.dtype = torch.float32,
+    compute_dtype: torch.dtype = torch.float32,
 ) -> Path:
-    """``ta`` or ``mean`` of LoRA adapters written as one LoRA adapter, exactly.
+    """``ta`` or ``mean`` of LoRA adapters written as one LoRA adapter folder ``out``, exactly.
 
     ``scale * sum_t c_t B_t A_t = B' A'`` with ``B' = [scale c_1 B_1 .. scale c_T B_T]`` and
     ``A' = [A_1; ..; A_T]`` per module, where ``c_t = w_t * scaling_t`` (``w_t`` = the method's
     weights; for ``mean`` divided by their sum). The adapter's rank per module is the sum of the
     ranks that adapt it (``r`` the most common, others in ``rank_pattern``) and ``lora_alpha``
     equals it, so its scaling is 1. ``base``, if given, is checked against every adapter.
-    Each adapter counts once; a module's deltas must share their shape and the merged factors
-    must be finite (else :class:`CheckpointError`, nothing written).
+    The factors are scaled in ``compute_dtype`` and written in ``dtype``.
+    Each adapter counts once; a module's deltas must share their shape and the merged delta
+    must be finite in ``dtype`` (else :class:`CheckpointError`, nothing written); ``out`` is a
+    folder, never a name ending in ``.safetensors``.
     """
     if not isinstance(method, Mean | TaskArithmetic):
         raise ValueError(
             f"--lora-output: only ta and mean of adapters are low-rank, not {method.name}"
         )
-    if not (isinstance(scale, int | float) and abs(scale) <= torch.finfo(torch.float32).max):
-        raise ValueError(f"--scale: {scale!r} is not a finite number in float32")
+    if Path(out).suffix == ".safetensors":
+        raise ValueError(
+            f"-o {out}: --lora-output writes an adapter folder ({ADAPTER_CONFIG} and "
+            f"{ADAPTER_WEIGHTS}), not a .safetensors file; give a folder name"
+        )
+    for option, value in (("--dtype", dtype), ("--compute-dtype", compute_dtype)):
+        if not value.is_floating_point:
+            raise ValueError(f"{option}: {value} is not a floating-point dtype")
+    if not (isinstance(scale, int | float) and abs(scale) <= torch.finfo(compute_dtype).max):
+        raise ValueError(f"--scale: {scale!r} is not a finite number in {compute_dtype}")
     check_distinct([Path(path) for path in adapter_paths], Path(base) if base is not None else None)
     with ExitStack() as stack:
         adapters = []
@@ -187,15 +200,15 @@ def merge_to_lora(
         names = list(dict.fromkeys(name for adapter in adapters for name in adapter.targets()))
         for name in names:
             used = [(a, w) for a, w in zip(adapters, weights, strict=True) if name in a]
-            factors = [(a.factors(name, torch.float32), w) for a, w in used]
+            factors = [(a.factors(name, compute_dtype), w) for a, w in used]
             module = name.removesuffix(".weight")
             key = f"{KEY_PREFIX}{module}"
-            lora_b = torch.cat([b * (scale * w) for (b, _), w in factors], 1)
-            lora_a = torch.cat([a for (_, a), _ in factors], 0)
+            lora_b = torch.cat([b * (scale * w) for (b, _), w in factors], 1).to(dtype)
+            lora_a = torch.cat([a for (_, a), _ in factors], 0).to(dtype)
             if not product_is_finite(lora_b, lora_a):
                 raise CheckpointError(
-                    f"--lora-output: the merged delta of {name!r} is not finite in float32 "
-                    "(overflow? lower --scale or the weights)"
+                    f"--lora-output: the merged delta of {name!r} is not finite in "
+                    f"{str(dtype).removeprefix('torch.')} (overflow? lower --scale or the weights)"
                 )
             tensors[f"{key}.lora_B.weight"], tensors[f"{key}.lora_A.weight"] = lora_b, lora_a
             ranks[module] = lora_a.shape[0]

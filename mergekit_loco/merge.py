@@ -8,6 +8,7 @@ the method allocates for that tensor.
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import time
@@ -77,6 +78,26 @@ def missing_base_message(method: str, models: Sequence[Path], out: str | Path) -
     )
 
 
+def scale_without_base(scale: float) -> str:
+    """Why ``--scale`` needs ``--base``: without one, the merge is ``mean(models)`` itself."""
+    return (
+        f"--scale {scale:g} needs --base: without a base there is no task vector (model - base) "
+        "to scale, and the merge is the mean of the models; give --base or drop --scale"
+    )
+
+
+def check_same_values(name: str, inputs: list, stand_in: CheckpointReader) -> None:
+    """Without a base a tensor that is not merged (integer, bool) is copied from the stand-in
+    model, so every model must hold the same values (else the model order would decide)."""
+    for tensor in inputs[1:]:
+        if tensor is not None and not torch.equal(tensor, inputs[0]):
+            raise CheckpointError(
+                f"{stand_in.file_of(name)}: tensor {name!r} ({inputs[0].dtype}, not merged) "
+                "differs between the models; without --base none of them can be chosen: give "
+                "--base"
+            )
+
+
 def all_finite(tensor: torch.Tensor) -> bool:
     """NaN and Inf propagate into a sum, so a finite sum proves every entry finite (and is
     several times cheaper than ``isfinite``); only an overflowing sum needs the full check.
@@ -119,6 +140,19 @@ def read_inputs(
     return inputs
 
 
+def common_dtype(name: str, tensors: Sequence[torch.Tensor]) -> torch.dtype:
+    """The dtype all of ``tensors`` promote to (float32 for bfloat16 with float16), whatever
+    their order; a ``ValueError`` naming ``name`` where torch has none (8-bit floats)."""
+    dtypes = sorted({tensor.dtype for tensor in tensors}, key=str)
+    try:
+        return functools.reduce(torch.promote_types, dtypes)
+    except RuntimeError:
+        raise ValueError(
+            f"tensor {name!r} is {' and '.join(map(str, dtypes))} in different models, which "
+            "have no common dtype; give --base (its dtype is the output's)"
+        ) from None
+
+
 def merge_one(
     name: str,
     inputs: list[torch.Tensor | None],
@@ -127,15 +161,26 @@ def merge_one(
     out_dtype: torch.dtype | None,
     compute_dtype: torch.dtype,
     device: torch.device,
+    base_free: bool = False,
 ) -> torch.Tensor:
     """``base + scale * merge(models - base)`` for floating tensor ``name`` from ``inputs`` (see
     :func:`read_inputs`; the list is emptied as tensors are used, so each raw input is freed as
     soon as its delta exists).
 
+    ``base_free``: the first input is only the stand-in model of a merge without a base (its
+    own entry is None); the base is then zero, ``theta = method(models)``, summed in float64
+    and written in the dtype the models' dtypes promote to, so neither the models' order nor
+    which of them stands in changes a bit of the result.
+
     Rows the models appended beyond the base's (added tokens) are not merged: the result's
     extra rows are the mean of those rows over the models that have them.
     """
     base_tensor = inputs.pop(0)
+    if base_free:
+        inputs[:] = [base_tensor if item is None else item for item in inputs]
+        dtype = common_dtype(name, [item for item in inputs if isinstance(item, torch.Tensor)])
+        base_tensor = torch.zeros(base_tensor.shape, dtype=dtype)
+        compute_dtype = torch.float64  # exact sums of float32 (and narrower) models
     out_dtype = out_dtype or base_tensor.dtype
     compute_dtype = at_least(compute_dtype, base_tensor.dtype)
     # Deltas are formed against the base in the compute dtype: mixed-dtype kernels are slow.
@@ -239,8 +284,9 @@ def prefetched_inputs(
 
 def smallest(readers: Sequence[CheckpointReader]) -> CheckpointReader:
     """The model with the fewest entries (the first of those), which stands in for the base
-    without one: a model whose fine-tune added vocabulary rows never does, so ``mean(models)``
-    does not depend on the order the models are given in."""
+    without one: its tensor names, shapes and config files (a model whose fine-tune added
+    vocabulary rows never does); the merge itself treats it as a model (``base_free`` in
+    :func:`merge_one`)."""
     return min(readers, key=lambda r: sum(math.prod(r.shape(name)) for name in r.names()))
 
 
@@ -309,8 +355,10 @@ def merge_checkpoints(
     float64 tensor of the base) on ``device``.
     8-bit float inputs (F8_E4M3, F8_E5M2) are merged in ``compute_dtype`` and written back in
     their dtype (a merged value beyond its range is an error, not a silent NaN).
-    ``base=None`` is allowed for methods that need none (``mean``): the model with the fewest
-    entries (:func:`smallest`) serves as base, so the result is ``mean(models)`` at scale 1.
+    ``base=None`` is allowed for methods that need none (``mean``): the result is
+    ``mean(models)`` in the dtype the models' dtypes promote to (``scale`` must be 1; a tensor
+    that is not merged must be equal in every model), and the model with the fewest entries
+    (:func:`smallest`) gives the tensor list and the config files.
     ``out`` ending in ``.safetensors`` is a file, anything else a Hugging Face folder with the
     base's config and tokenizer files.
 
@@ -333,6 +381,8 @@ def merge_checkpoints(
         raise ValueError(f"output dtype must be floating point, not {dtype}")
     if not (isinstance(scale, int | float) and abs(scale) <= torch.finfo(compute_dtype).max):
         raise ValueError(f"--scale: {scale!r} is not a finite number in {compute_dtype}")
+    if base is None and scale != 1:
+        raise ValueError(scale_without_base(scale))
     target = resolve_device(device)
     merged_count = copied_count = 0
     with ExitStack() as stack:
@@ -368,11 +418,14 @@ def merge_checkpoints(
         for name, inputs in stream:
             bar.update(task, tensor=name)
             if is_mergeable(inputs[0]):
-                merged = merge_one(name, inputs, merge_method, scale, dtype, compute_dtype, target)
+                merged = merge_one(name, inputs, merge_method, scale, dtype, compute_dtype,
+                                   target, base_free=base is None)  # fmt: skip
                 writer.write(name, merged)
                 merged_count += 1
                 del merged
             else:
+                if base is None:
+                    check_same_values(name, inputs, base_reader)
                 writer.write(name, inputs[0])
                 copied_count += 1
             del inputs

@@ -10,7 +10,10 @@ OUT/
 A sweep (``mloco compare -o DIR``) holds one such folder per cell under ``DIR/runs/``. Every run
 folder carries the ownership marker of :mod:`mergekit_loco.io.atomic` (kind :data:`RUN_KIND`); a
 new run starts only in a new or empty folder or one of them, and ``--force`` deletes only what a
-run writes there (:func:`mergekit_loco.train.run_folder.check_output`).
+run writes there (:func:`mergekit_loco.train.run_folder.check_output`). Every command's output
+folder is marked with its own kind, and a command writes only into a new or empty folder or one
+marked with its kind (:func:`mergekit_loco.io.atomic.check_free_or_ours`): never a run into a
+sweep, a sweep into a run or a merged model, a report into either.
 """
 
 from __future__ import annotations
@@ -26,10 +29,15 @@ CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 FINAL = "final"
 SWEEP_RUNS = "runs"
-#: The ``kind`` in a sweep folder's ownership marker.
-SWEEP_KIND = "compare sweep"
 #: The ``kind`` in a run folder's ownership marker.
 RUN_KIND = "training run"
+#: The ``kind`` in the marker of a sweep folder (``mloco compare -o``, and ``mloco report`` of
+#: it into itself) and of a merge comparison's folder (``mloco compare --mode merge -o``).
+SWEEP_KIND = "compare sweep"
+MERGES_KIND = "compare merges"
+#: The ``kind`` in the marker of a report written elsewhere (``mloco report ... -o OUT``).
+SWEEP_REPORT_KIND = "sweep report"
+MERGE_REPORT_KIND = "merge report"
 #: The folder, in the current one, where runs go by default (``--out runs/train``): the one
 #: missing parent folder of an output that a command creates (:func:`check_output_parent`).
 RUNS = "runs"

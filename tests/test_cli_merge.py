@@ -2,6 +2,7 @@
 CliRunner in-process (docs/merging.md's commands run in tests/test_readme.py)."""
 
 import errno
+import json
 import os
 import re
 import shutil
@@ -426,3 +427,117 @@ def test_one_model_merges_with_a_warning(files, tmp_path, capsys):
     code, _, err = run_main(capsys, "merge", *models, "--base", base, "--method", "ties",
                             "-o", tmp_path / "two", "-q")  # fmt: skip
     assert code in (0, None) and err == ""
+
+
+def soup_inputs(root: Path) -> list[Path]:
+    """Three models of equal size, no base: float32, bfloat16 and float32 (with an integer
+    buffer they share), values with many significant bits, so any rounding shows."""
+    generator = torch.Generator().manual_seed(7)
+    paths = []
+    for index, dtype in enumerate((torch.float32, torch.bfloat16, torch.float32)):
+        state = {
+            "w": (torch.randn(16, 8, generator=generator) * 10 ** (index - 1)).to(dtype),
+            "b": torch.randn(8, generator=generator).to(dtype),
+            "ids": torch.arange(5),
+        }
+        paths.append(write_state_dict(state, root / f"soup{index}.safetensors"))
+    return paths
+
+
+def test_mean_without_base_refuses_a_scale(tmp_path, capsys):
+    """Before, ``merge a b --method mean --scale 0.5`` wrote 0.75 a + 0.25 b (the first model
+    stood in for the base), and 0.25 a + 0.75 b with the models swapped. Without a base no task
+    vector exists to scale: the CLI, a --config YAML and the Python API refuse, writing
+    nothing."""
+    from mergekit_loco import merge_checkpoints
+
+    first, second, _ = soup_inputs(tmp_path)
+    for scale in ("0.5", "2", "-1", "0"):
+        code, _, err = run_main(capsys, "merge", first, second, "--method", "mean",
+                                "--scale", scale, "-o", tmp_path / "soup")  # fmt: skip
+        assert code == 2
+        assert_one_line_error(err, f"--scale {float(scale):g} needs --base", "no task vector")
+    config = tmp_path / "soup.yml"
+    config.write_text(f"merge_method: mean\nmodels:\n  - model: {first}\n  - model: {second}\n"
+                      "parameters: {lambda: 0.5}\n")  # fmt: skip
+    code, _, err = run_main(capsys, "merge", "--config", config, "-o", tmp_path / "soup")
+    assert code == 2
+    assert_one_line_error(err, str(config), "lambda 0.5 needs base_model")
+    with pytest.raises(ValueError, match=r"--scale 0\.5 needs --base"):
+        merge_checkpoints([first, second], None, "mean", tmp_path / "soup", scale=0.5)
+    assert not (tmp_path / "soup").exists() and not temp_leftovers(tmp_path)
+
+
+def test_mean_without_base_does_not_depend_on_the_model_order(tmp_path, capsys):
+    """Before, the first of the equal-sized models stood in for the base: its dtype was the
+    output's (bfloat16 first: a bfloat16 soup, else float32) and ``a + (b - a) / 2`` rounded
+    differently from ``b + (a - b) / 2``. Now every order gives the same bits: the mean of the
+    models in float64, written in the dtype theirs promote to (float32)."""
+    import itertools
+
+    paths = soup_inputs(tmp_path)
+    states = [load_state_dict(path) for path in paths]
+    outputs = []
+    for number, order in enumerate(itertools.permutations(range(3))):
+        out = tmp_path / f"merged{number}.safetensors"
+        code, _, err = run_main(capsys, "merge", *[paths[i] for i in order], "--method", "mean",
+                                "-o", out, "-q")  # fmt: skip
+        assert code in (0, None), err
+        outputs.append(load_state_dict(out))
+    for name in ("w", "b"):
+        expected = (sum(state[name].double() for state in states) / 3).float()
+        for merged in outputs:
+            assert merged[name].dtype == torch.float32
+            assert torch.equal(merged[name], expected), name
+    assert all(torch.equal(merged["ids"], torch.arange(5)) for merged in outputs)
+
+
+def test_mean_without_base_refuses_integer_tensors_that_differ(tmp_path, capsys):
+    """An integer tensor is copied, not merged: without a base, models holding different
+    values of it left the choice to their order. Refused, naming the tensor."""
+    first, second, _ = soup_inputs(tmp_path)
+    state = load_state_dict(second) | {"ids": torch.arange(5) + 1}
+    second = write_state_dict(state, tmp_path / "other-ids.safetensors")
+    code, _, err = run_main(capsys, "merge", first, second, "--method", "mean",
+                            "-o", tmp_path / "soup.safetensors")  # fmt: skip
+    assert code == 2
+    assert_one_line_error(err, "'ids'", "differs between the models", "give --base")
+    assert not (tmp_path / "soup.safetensors").exists()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_a_folder_output_config_names_the_dtype_written(tmp_path, capsys, dtype):
+    """Before, ``--dtype bfloat16`` into a folder copied the base's ``"dtype": "float32"``, so
+    ``from_pretrained(OUT)`` loaded the bfloat16 weights as float32. Both keys transformers
+    reads (``dtype``, and the older ``torch_dtype``, where the config has them) now name the
+    dtype written; nothing else in the config changes."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    base, models = make_family(tmp_path / "family", count=2)
+    config = json.loads((base / "config.json").read_text())
+    assert config["dtype"] == "float32"
+    (base / "config.json").write_text(json.dumps(config | {"torch_dtype": "float32"}))
+    out = tmp_path / "merged"
+    code, _, err = run_main(capsys, "merge", *models, "--base", base, "-m", "ta",
+                            "--dtype", dtype, "-o", out, "-q")  # fmt: skip
+    assert code in (0, None), err
+    written = json.loads((out / "config.json").read_text())
+    assert written == config | {"dtype": dtype, "torch_dtype": dtype}
+    assert AutoConfig.from_pretrained(out).dtype == getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert {parameter.dtype for parameter in model.parameters()} == {getattr(torch, dtype)}
+
+
+def test_a_config_is_left_alone_when_several_dtypes_are_written(tmp_path, capsys):
+    """A base of float32 and float64 tensors keeps both in the output: no one dtype to name, so
+    the config stays as the base's."""
+    base, models = make_family(tmp_path / "family", count=2)
+    for path in (base, *models):
+        state = load_state_dict(path)
+        state["lm_head.weight"] = state["lm_head.weight"].double()
+        write_state_dict(state, path / "model.safetensors")
+    out = tmp_path / "merged"
+    code, _, err = run_main(capsys, "merge", *models, "--base", base, "-m", "ta", "-o", out, "-q")
+    assert code in (0, None), err
+    assert (out / "config.json").read_bytes() == (base / "config.json").read_bytes()
+    assert {t.dtype for t in load_state_dict(out).values()} == {torch.float32, torch.float64}

@@ -136,7 +136,7 @@ def test_outer_momentum_grid_applies_to_presets_with_momentum():
     for bad in (["1.2"], ["0,0.5"]):
         with pytest.raises(ValueError, match="--outer-momentum-grid"):
             Grid.parse(bad, option="--outer-momentum-grid", relative=False)
-    with pytest.raises(ValueError, match="seed is given twice"):
+    with pytest.raises(ValueError, match="--seeds: 1 is given twice"):
         plan(Sweep(["diloco"], [2], inner_steps=[2], seeds=[1, 1], shared={**TOY, "tokens": 1024}))
 
 
@@ -483,3 +483,50 @@ def test_sigterm_to_a_parallel_sweep_stops_its_workers(tmp_path):
     for pid in alive:
         os.kill(pid, signal.SIGKILL)
     assert not alive, "worker processes outlived the sweep"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--workers", "2,2"], "--workers: 2 is given twice (2,2)"),
+        (["--workers", "1,2,02"], "--workers: 2 is given twice (1,2,2)"),
+        (["--aggregators", "diloco,tsv, diloco"], "--aggregators: diloco is given twice"),
+        (["--inner-steps", "5,5"], "--inner-steps: 5 is given twice (5,5)"),
+        (["--seeds", "0,0"], "--seeds: 0 is given twice (0,0)"),
+        (["--outer-lr-grid", "1,2,1.0"], "--outer-lr-grid '1,2,1.0': 1.0 is given twice"),
+        (["--outer-momentum-grid", "diloco=0.9,0.9"], "--outer-momentum-grid 'diloco=0.9,0.9'"),
+        (["--mode", "merge", "--base", "b", "--finetuned", "x,y", "--data", "p,q",
+          "--methods", "ta,ties,ta"], "--methods: ta is given twice (ta,ties,ta)"),
+        (["--mode", "merge", "--base", "b", "--finetuned", "x,y", "--data", "p,q",
+          "--scales", "0.5,1,1.0"], "--scales: 1.0 is given twice"),
+        (["--mode", "merge", "--base", "b", "--finetuned", "x,x", "--data", "p,q"],
+         "--finetuned: x is given twice (x,x)"),
+    ],
+)  # fmt: skip
+def test_every_list_option_refuses_a_value_given_twice(capsys, tmp_path, args, message):
+    """Before, ``--workers 2,2`` (or a duplicated --aggregators or --inner-steps) planned
+    "2 cells ... 2 to run" and trained diloco-R2-H5-s0 twice, while --seeds 0,0 was refused:
+    every list option now refuses a repeated value, in one line naming it, before -o exists."""
+    from mergekit_loco import cli
+
+    out = tmp_path / "never"
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["compare", "-o", str(out), *args])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"error: {message}") and error.count("\n") == 1, error
+    assert error.endswith("; give each value once\n") and not out.exists()
+
+
+def test_plan_refuses_a_value_given_twice():
+    """The Python API plans the same cells the command does: one list holding a value twice is
+    refused, naming the option, as --seeds was."""
+    shared = {**TOY, "tokens": 1024}
+    for field_name, values, option in (("aggregators", ["tsv", "tsv"], "--aggregators"),
+                                       ("workers", [2, 2], "--workers"),
+                                       ("inner_steps", [2, 2], "--inner-steps"),
+                                       ("seeds", [1, 1], "--seeds")):  # fmt: skip
+        fields = {"aggregators": ["diloco"], "workers": [2], "inner_steps": [2], "seeds": [1]}
+        sweep = Sweep(**(fields | {field_name: values}), baseline=False, shared=shared)
+        with pytest.raises(ValueError, match=f"{option}: {values[0]} is given twice"):
+            plan(sweep)

@@ -81,7 +81,7 @@ def test_sweep_refuses_a_symlinked_cell_and_resumes_in_its_own_folder(capsys, tm
     (victim / "keep").write_text("keep")
     out = tmp_path / "sweep"
     (out / "runs").mkdir(parents=True)
-    (out / OWNER_MARKER).write_text("{}")
+    (out / OWNER_MARKER).write_text('{"written_by": "mergekit_loco", "kind": "compare sweep"}')
     (out / "runs" / CELL).symlink_to(victim)
     before = snapshot(tmp_path)
     code, err, _ = run_cli(capsys, *SWEEP, "--data", corpus, "-o", out)
@@ -148,7 +148,7 @@ def test_merge_mode_refuses_a_symlink_under_merged(capsys, models, tmp_path):
     (victim / "keep").write_text("keep")
     out = tmp_path / "cmp"
     (out / "merged").mkdir(parents=True)
-    (out / OWNER_MARKER).write_text("{}")
+    (out / OWNER_MARKER).write_text('{"written_by": "mergekit_loco", "kind": "compare merges"}')
     (out / "merged" / "ta-1").symlink_to(victim)
     before = snapshot(tmp_path)
     code, err, _ = run_cli(capsys, *merge_args(models, out, "--force"))

@@ -232,3 +232,95 @@ def test_merge_report_keeps_a_user_merge_summary(capsys, tmp_path, output):
     code, err, _ = run_cli(capsys, "report", *args, "--no-figures")
     assert code == 0, err
     assert (out / "merge_summary.csv").read_text() != "mine\n" and (out / OWNER_MARKER).is_file()
+
+
+#: ``mloco compare`` of one tiny cell (it is refused before training, or would take seconds).
+COMPARE = ["compare", "--aggregators=diloco", "--workers=2", "--inner-steps=2", "--seeds=0,",
+           *[flag for flag in TRAIN if not flag.startswith(("--workers", "--inner-steps",
+                                                            "--device", "--quiet"))],
+           "--no-baseline", "--no-figures", "--quiet"]  # fmt: skip
+
+
+@pytest.fixture
+def merged_dir(capsys, tmp_path) -> Path:
+    """A folder ``mloco merge`` wrote (two tiny fine-tunes of one base)."""
+    import torch
+    from checkpoint_factory import write_state_dict
+
+    files = []
+    for index in range(3):
+        state = {"w": torch.full((2, 2), float(index))}
+        files.append(write_state_dict(state, tmp_path / f"m{index}.safetensors"))
+    out = tmp_path / "merged_dir"
+    code, err, _ = run_cli(capsys, "merge", *files[1:], "--base", files[0], "--method", "ta",
+                           "-o", out, "--quiet")  # fmt: skip
+    assert code == 0, err
+    return out
+
+
+@pytest.mark.parametrize("target", ["run_folder", "merged_dir", "report_folder", "merges"])
+def test_compare_never_writes_into_another_commands_output(
+    capsys, tmp_path, corpus, stopped, merged_dir, target
+):
+    """Before, compare -o RUN (or a merge's folder) exited 0 and added results.csv, runs/ and
+    summary.csv into it, and the merge folder then refused merge --force. As train --out is
+    refused in a sweep, compare -o is refused in anything but a new or empty folder or a
+    sweep's; the folder is left as it was."""
+    folders = {
+        "run_folder": shutil.copytree(stopped, tmp_path / "run", symlinks=True),
+        "merged_dir": merged_dir,
+        "report_folder": tmp_path / "report",
+        "merges": merge_folder(tmp_path / "merges"),
+    }
+    if target == "report_folder":  # a sweep's report rendered elsewhere
+        sweep = sweep_folder(tmp_path / "sweep")
+        assert run_cli(capsys, "report", sweep, "-o", folders[target], "--no-figures")[0] == 0
+    out = folders[target]
+    kind = json.loads((out / OWNER_MARKER).read_text())["kind"]
+    before = snapshot(tmp_path)
+    code, err, _ = run_cli(capsys, *COMPARE, f"--data={corpus}", "-o", out)
+    assert_refused(code, err, f"{out}: -o is a {kind} mergekit_loco wrote, not a compare sweep",
+                   "refused even with --force")  # fmt: skip
+    assert snapshot(tmp_path) == before
+    if target == "merged_dir":  # still replaceable by the merge that wrote it
+        files = sorted(tmp_path.glob("m*.safetensors"))
+        code, err, _ = run_cli(capsys, "merge", *files[1:], "--base", files[0], "--method",
+                               "mean", "-o", out, "--force", "--quiet")  # fmt: skip
+        assert code == 0, err
+
+
+@pytest.mark.parametrize("target", ["run_folder", "merged_dir", "other_sweep", "merges"])
+def test_report_never_writes_into_another_commands_output(
+    capsys, tmp_path, stopped, merged_dir, target
+):
+    """Before, report SWEEP -o RUN added results.csv, summary.csv and runs' tables to a run
+    folder (or a merge output, or another sweep, whose tables it replaced). report -o takes a
+    new or empty folder or one a report wrote; without -o the sweep's own folder."""
+    sweep = sweep_folder(tmp_path / "sweep")
+    folders = {
+        "run_folder": shutil.copytree(stopped, tmp_path / "run", symlinks=True),
+        "merged_dir": merged_dir,
+        "other_sweep": sweep_folder(tmp_path / "other"),
+        "merges": merge_folder(tmp_path / "merges"),
+    }
+    second = merge_folder(tmp_path / "m2")  # a second fine-tune set, to combine
+    out = folders[target]
+    if target == "other_sweep":  # a sweep folder of ours, with its own tables
+        assert run_cli(capsys, "report", out, "--no-figures")[0] == 0
+    kind = json.loads((out / OWNER_MARKER).read_text())["kind"]
+    before = snapshot(tmp_path)
+    code, err, _ = run_cli(capsys, "report", sweep, "-o", out, "--no-figures")
+    assert_refused(code, err, f"{out}: the report folder is a {kind} mergekit_loco wrote, not a"
+                   " sweep report")  # fmt: skip
+    assert snapshot(tmp_path) == before
+    # merge reports follow the same rule: combined sets go to a report folder, never into
+    # one of the comparisons (the merges target) or another command's output
+    code, err, _ = run_cli(capsys, "report", folders["merges"], second, "-o", out, "--no-figures")
+    assert_refused(code, err, f"{out}: the report folder is a {kind}", "not a merge report")
+    assert snapshot(tmp_path) == before
+    for _ in range(2):  # a report folder is rendered again in place, a comparison into itself
+        assert run_cli(capsys, "report", sweep, "-o", tmp_path / "sweep-report",
+                       "--no-figures")[0] == 0  # fmt: skip
+        assert run_cli(capsys, "report", folders["merges"], second, "-o",
+                       tmp_path / "merge-report", "--no-figures")[0] == 0  # fmt: skip
+        assert run_cli(capsys, "report", folders["merges"], "--no-figures")[0] == 0

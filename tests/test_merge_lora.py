@@ -439,3 +439,65 @@ def test_lora_output_refuses_a_non_finite_result(tmp_path, capsys, scale, fragme
     folder = write_factors(tmp_path / "ok", FACTORS)
     args = [folder, "-m", "ta", "--scale", scale, "--lora-output"]
     assert_refused(capsys, tmp_path / "adapter", args, *fragments)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float64"])
+def test_lora_output_writes_the_dtype_asked(adapters, tmp_path, capsys, dtype):
+    """Before, ``--lora-output --dtype bfloat16`` wrote float32 factors (and --compute-dtype was
+    ignored too). The factors ``B' = [scale scaling_t B_t]``, ``A' = [A_t]`` are formed in the
+    compute dtype and written in --dtype; a --config file's out_dtype counts the same."""
+    base, folders = adapters
+    out = tmp_path / "adapter"
+    code, _, err = run_main(capsys, "merge", *folders[:2], "--base", base, "-m", "ta",
+                            "--scale", "0.5", "--lora-output", "--dtype", dtype,
+                            "--compute-dtype", "float64", "-o", out, "-q")  # fmt: skip
+    assert code in (0, None), err
+    written = load_state_dict(out / "adapter_model.safetensors")
+    key = "base_model.model.model.layers.0.self_attn.q_proj"
+    factors = [load_state_dict(folder / "adapter_model.safetensors") for folder in folders[:2]]
+    scalings = [4 / 2, 6 / math.sqrt(3)]  # a1: alpha 4, r 2; a2: alpha 6, r 3, rslora
+    expected_b = torch.cat([0.5 * s * f[f"{key}.lora_B.weight"].double()
+                            for s, f in zip(scalings, factors, strict=True)], 1)  # fmt: skip
+    expected_a = torch.cat([f[f"{key}.lora_A.weight"].double() for f in factors], 0)
+    assert {t.dtype for t in written.values()} == {getattr(torch, dtype)}
+    assert torch.equal(written[f"{key}.lora_B.weight"], expected_b.to(getattr(torch, dtype)))
+    assert torch.equal(written[f"{key}.lora_A.weight"], expected_a.to(getattr(torch, dtype)))
+    config = tmp_path / "ta.yml"
+    config.write_text(f"merge_method: ta\nbase_model: {base}\nmodels:\n"
+                      + "".join(f"  - model: {folder}\n" for folder in folders[:2])
+                      + f"out_dtype: {dtype}\n")  # fmt: skip
+    code, _, err = run_main(capsys, "merge", "--config", config, "--lora-output",
+                            "-o", tmp_path / "from-config", "-q")  # fmt: skip
+    assert code in (0, None), err
+    written = load_state_dict(tmp_path / "from-config" / "adapter_model.safetensors")
+    assert {t.dtype for t in written.values()} == {getattr(torch, dtype)}
+
+
+@pytest.mark.parametrize(
+    ("extra", "out", "fragments"),
+    [
+        ([], "adapter.safetensors", ["-o", "adapter.safetensors", "writes an adapter folder"]),
+        (["--shard-size", "1GB"], "adapter", ["--shard-size cannot be given with --lora-output"]),
+        (["--shard-size", "5GB"], "adapter", ["--shard-size cannot be given with --lora-output"]),
+        (["--device", "cpu"], "adapter", ["--device cannot be given with --lora-output"]),
+    ],
+    ids=["file", "shard_size", "default_shard_size", "device"],
+)
+def test_lora_output_refuses_options_it_cannot_honour(tmp_path, capsys, extra, out, fragments):
+    """Before, ``-o lo.safetensors`` made a folder named lo.safetensors, and --shard-size and
+    --device were silently ignored: each is refused by name, nothing written."""
+    folder = write_factors(tmp_path / "ok", FACTORS)
+    args = [folder, "-m", "ta", "--lora-output", *extra]
+    assert_refused(capsys, tmp_path / out, args, *fragments)
+
+
+def test_lora_output_default_is_a_folder(tiny_base, tmp_path, capsys, monkeypatch):
+    """Without -o, a .safetensors base made the default output ``merged-ta.safetensors``: an
+    adapter is a folder, ``merged-ta``."""
+    folder = write_factors(tmp_path / "ok", FACTORS)
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_main(capsys, "merge", folder, "--base", tiny_base, "-m", "ta",
+                              "--lora-output")  # fmt: skip
+    assert code in (0, None), err
+    assert "writing merged-ta (no -o given)" in out
+    assert (tmp_path / "merged-ta" / "adapter_config.json").is_file()

@@ -26,19 +26,24 @@ DEFAULT_MERGE_METHODS = "mean,ta,ties,dare,tsv,iso-c,iso-cts"
 
 
 def split_list(option: str, text: str | None, kind: type = str) -> list:
-    """``"1,2,4"`` -> ``[1, 2, 4]``; names the option when a value does not parse, or when it
-    holds none (``","`` ran only the baseline, or failed on an empty list)."""
+    """``"1,2,4"`` -> ``[1, 2, 4]``; names the option when a value does not parse, when it
+    holds none (``","`` ran only the baseline, or failed on an empty list), or when it holds
+    one value twice (:func:`~mergekit_loco.compare.check_unique`)."""
+    from mergekit_loco.compare import check_unique
+
     if text is None:
         return []
     items = [item.strip() for item in text.split(",") if item.strip()]
     if not items:
         raise ValueError(f"{option}: {text!r} holds no values; give a comma-separated list")
     try:
-        return [kind(item) for item in items]
+        values = [kind(item) for item in items]
     except ValueError:
         raise ValueError(
             f"{option}: {text!r} is not a comma-separated list of {kind.__name__}"
         ) from None
+    check_unique(option, values)
+    return values
 
 
 def split_paths(text: str | None) -> list[str]:
@@ -193,11 +198,14 @@ def compare_command(
     if mode == "merge":
         if base is None or finetuned is None or data is None:
             raise ValueError("--mode merge needs --base, --finetuned and --data")
+        from mergekit_loco.compare import check_unique
         from mergekit_loco.compare.merges import compare_merges
 
+        finetuned_paths = split_paths(finetuned)
+        check_unique("--finetuned", finetuned_paths)
         compare_merges(
             base=base,
-            finetuned=split_paths(finetuned),
+            finetuned=finetuned_paths,
             data=split_datasets(data),
             methods=split_list("--methods", methods),
             scales=split_list("--scales", scales, float),

@@ -56,10 +56,30 @@ def print_summary(summary) -> None:
     output_console().print(table)
 
 
-def default_output(models: list[Path], base: Path | None, method: str) -> Path:
-    """``merged-METHOD.safetensors`` if the base (or first model) is one file, else a folder."""
+def default_output(
+    models: list[Path], base: Path | None, method: str, lora_output: bool = False
+) -> Path:
+    """``merged-METHOD.safetensors`` if the base (or first model) is one file, else a folder
+    (always a folder for ``--lora-output``: an adapter is one)."""
     reference = base if base is not None else models[0]
-    return Path(f"merged-{method}{'.safetensors' if reference.suffix == '.safetensors' else ''}")
+    single = reference.suffix == ".safetensors" and not lora_output
+    return Path(f"merged-{method}{'.safetensors' if single else ''}")
+
+
+#: Options of a full-checkpoint merge that an adapter output has no use for.
+NOT_FOR_LORA_OUTPUT = {
+    "device": "the adapter's factors are only scaled and stacked, on the CPU",
+    "shard_size": "an adapter is one adapter_model.safetensors file",
+}
+
+
+def check_lora_options(ctx: typer.Context) -> None:
+    """Refuse, naming it, an option given with ``--lora-output`` that it cannot honour."""
+    for name, reason in NOT_FOR_LORA_OUTPUT.items():
+        source = ctx.get_parameter_source(name)  # typer's own click: compared by name
+        if source is not None and source.name != "DEFAULT":
+            flag = f"--{name.replace('_', '-')}"
+            raise ValueError(f"{flag} cannot be given with --lora-output: {reason}")
 
 
 def missing_base(ctx: typer.Context, method: str) -> str | None:
@@ -151,7 +171,9 @@ def merge(
         Path | None,
         typer.Option(help="The pre-trained checkpoint the models were fine-tuned from."),
     ] = None,
-    scale: Annotated[float, typer.Option(help="theta = base + scale * merged delta.")] = 1.0,
+    scale: Annotated[
+        float, typer.Option(help="theta = base + scale * merged delta (needs --base).")
+    ] = 1.0,
     density: Annotated[
         float | None, typer.Option(help="ties/dare/breadcrumbs: fraction kept, in (0, 1].")
     ] = None,
@@ -211,6 +233,8 @@ def merge(
         and (message := missing_base(ctx, method))
     ):
         raise ValueError(message)
+    if lora_output:
+        check_lora_options(ctx)
     if option and config is not None:
         raise ValueError(f"--config {config}: --option cannot be given with a config file")
     if seed is not None:
@@ -250,7 +274,7 @@ def merge(
     if method not in METHODS:  # before a default -o is announced
         raise unknown_method(method)
     if output is None:
-        output = default_output(models, base, method)
+        output = default_output(models, base, method, lora_output)
         if not quiet:
             typer.echo(f"writing {output} (no -o given)")
     check_output_parent(output, "-o")
@@ -259,8 +283,16 @@ def merge(
         if lora_output:
             from mergekit_loco.low_rank import merge_to_lora
 
-            method_object = get_method(method, **given_params(options))
-            written = merge_to_lora(models, method_object, output, options["scale"], base, force)
+            written = merge_to_lora(
+                models,
+                get_method(method, **given_params(options)),
+                output,
+                options["scale"],
+                base,
+                force,
+                dtype=options["dtype"] or torch.float32,
+                compute_dtype=options["compute_dtype"],
+            )
             warn_if_one_model(models, method)
             if not quiet:
                 output_console().print(f"wrote the merged LoRA adapter to {written}")

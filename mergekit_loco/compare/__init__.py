@@ -17,6 +17,17 @@ from pathlib import Path
 from rich.console import Console
 
 
+def check_unique(option: str, values: Sequence) -> None:
+    """Refuse a list option that holds one value twice (``--workers 2,2`` would train one cell
+    twice), naming the option and the value."""
+    seen = set()
+    for value in values:
+        if value in seen:
+            listed = ",".join(map(str, values))
+            raise ValueError(f"{option}: {value} is given twice ({listed}); give each value once")
+        seen.add(value)
+
+
 def render(
     folders: Sequence[str | Path],
     out: str | Path | None = None,

@@ -20,6 +20,7 @@ from mergekit_loco.compare.stats import Spread, format_interval, paired_interval
 from mergekit_loco.compare.tables import csv_text, format_loss, json_value
 from mergekit_loco.io.atomic import check_free_or_ours, claim_folder, write_atomically
 from mergekit_loco.io.files import read_json
+from mergekit_loco.run_layout import MERGE_REPORT_KIND, MERGES_KIND
 
 EVALUATIONS = "evaluations.json"
 MERGE_SPLITS = ("select", "test")
@@ -234,7 +235,8 @@ def report_merges(
     figures: bool = True,
 ) -> list[MergeRow]:
     """:func:`report_documents` of the ``evaluations.json`` of one or more merge comparisons
-    (fine-tune sets, e.g. seeds), named by their folders."""
+    (fine-tune sets, e.g. seeds), named by their folders; into the one comparison's own folder
+    when ``out`` is it, else into a report folder (:data:`MERGE_REPORT_KIND`)."""
     documents = {}
     for folder in folders:
         path = Path(folder) / EVALUATIONS
@@ -246,7 +248,9 @@ def report_merges(
             raise ValueError(f"merge folders need distinct names: {Path(folder).name} twice")
         documents[Path(folder).name] = read_json(path, "merge evaluations")
         check_evaluations(documents[Path(folder).name], str(path))
-    return report_documents(documents, out, console, figures)
+    into_own = len(folders) == 1 and Path(out).resolve() == Path(folders[0]).resolve()
+    kind = MERGES_KIND if into_own else MERGE_REPORT_KIND
+    return report_documents(documents, out, console, figures, kind)
 
 
 def documents_from_results(path: str | Path) -> dict[str, dict]:
@@ -272,14 +276,16 @@ def report_documents(
     out: str | Path,
     console: Console | None = None,
     figures: bool = True,
+    kind: str = MERGE_REPORT_KIND,
 ) -> list[MergeRow]:
     """Tables (merge_results.csv: every model, scale and split; merge_summary.csv and
     merge_results.json: the chosen rows) and merging.png of the merge comparisons
     ``documents`` (by fine-tune set name), written to ``out``: a new or empty folder, one of
-    ours, or one holding nothing but ``evaluations.json`` (then marked as ours), never another
+    ours marked ``kind`` (a comparison's own folder: ``compare merges``), or one holding
+    nothing but ``evaluations.json`` (then marked ``kind``), never another
     (:func:`~mergekit_loco.io.atomic.check_free_or_ours`)."""
     out = Path(out)
-    check_free_or_ours(out, "the report folder", reads=(EVALUATIONS,))
+    check_free_or_ours(out, "the report folder", (kind,), reads=(EVALUATIONS,))
     summary = summarize_merges(documents)
     domains = next(iter(documents.values()))["domains"]
     records = [
@@ -290,7 +296,7 @@ def report_documents(
     columns = ["set", "label", "kind", "method", "scale", "split"]
     columns += [f"loss_{d}" for d in domains] + [f"normalized_{d}" for d in domains]
     columns += ["loss", "normalized", "gain_kept"]
-    claim_folder(out, "merge report", reads=(EVALUATIONS,))
+    claim_folder(out, kind, reads=(EVALUATIONS,))
     write_atomically(out / "merge_results.csv", csv_text(records, columns))
     summary_rows = merge_summary_records(summary)
     write_atomically(out / "merge_summary.csv", csv_text(summary_rows, list(summary_rows[0])))

@@ -19,6 +19,7 @@ from mergekit_loco.io.atomic import check_results_folder, claim_folder, write_at
 from mergekit_loco.io.files import read_json
 from mergekit_loco.merge import merge_checkpoints
 from mergekit_loco.methods import get_method
+from mergekit_loco.run_layout import MERGES_KIND
 from mergekit_loco.train.model import check_pretrained
 from mergekit_loco.train.sources import BUILTIN_SOURCES
 
@@ -100,8 +101,8 @@ def compare_merges(
         middle = ids.numel() // 2
         halves[domain] = {"select": ids[:middle], "test": ids[middle:]}
     inputs = {str(base), *map(str, finetuned), *data, tokenizer} - set(BUILTIN_SOURCES)
-    check_results_folder(out, inputs, (MERGED,))
-    claim_folder(out, "compare merges")
+    check_results_folder(out, MERGES_KIND, inputs, (MERGED,))
+    claim_folder(out, MERGES_KIND)
 
     models = {"base": (str(base), "base", None, None)}
     for path, domain in zip(finetuned, data, strict=True):

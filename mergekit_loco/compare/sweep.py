@@ -27,6 +27,7 @@ import torch
 from rich.console import Console
 
 from mergekit_loco import run_layout
+from mergekit_loco.compare import check_unique
 from mergekit_loco.compare.runs import BASELINE, FAILED_FILE, is_finished, load_run, read_run_config
 from mergekit_loco.compare.sweep_report import SummaryRow, report_sweep
 from mergekit_loco.compare.tables import format_number
@@ -90,6 +91,7 @@ class Grid:
                 raise ValueError(f"{option} {spec!r}: give positive numbers")
             if not relative and any(v >= 1 for v in numbers):
                 raise ValueError(f"{option} {spec!r}: momentum must lie in (0, 1)")
+            check_unique(f"{option} {spec!r}", numbers)
             if name.strip() in named:
                 raise ValueError(
                     f"{option} names {name.strip()!r} twice; give its values once, like "
@@ -145,8 +147,10 @@ def plan(sweep: Sweep) -> list[Cell]:
             raise ValueError(f"{grid.option} names {sorted(unknown)[0]!r}, not in --aggregators")
     if BASELINE in sweep.aggregators:
         raise ValueError(f"{BASELINE!r} is the baseline; it runs unless --no-baseline")
-    if len(set(sweep.seeds)) != len(sweep.seeds):
-        raise ValueError(f"--seeds: a seed is given twice in {list(sweep.seeds)}")
+    check_unique("--aggregators", sweep.aggregators)
+    check_unique("--workers", sweep.workers)
+    check_unique("--inner-steps", sweep.inner_steps)
+    check_unique("--seeds", sweep.seeds)
     cells = []
     if sweep.baseline:
         cells += [Cell(BASELINE, 1, sweep.inner_steps[0], seed) for seed in sweep.seeds]
@@ -257,8 +261,10 @@ def run_sweep(
     cells = plan(sweep)
     inputs = {path for cell in cells for path in
               run_inputs(cell_config(sweep, cell, runs_dir / cell.name))}  # fmt: skip
-    check_results_folder(Path(out), inputs - set(BUILTIN_SOURCES), (run_layout.SWEEP_RUNS,))
-    claim_folder(Path(out), "compare sweep")
+    check_results_folder(
+        Path(out), run_layout.SWEEP_KIND, inputs - set(BUILTIN_SOURCES), (run_layout.SWEEP_RUNS,)
+    )
+    claim_folder(Path(out), run_layout.SWEEP_KIND)
     console = console or Console(quiet=True)
     todo = []
     for cell in cells:

@@ -348,20 +348,22 @@ def report_sweep(
 ) -> list[SummaryRow]:
     """Re-render a sweep from ``results_dir/runs``: tables (results.csv, summary.csv,
     results.json, tuned.json), the terminal tables, and loss_vs_workers.png + curves.png, into
-    ``out`` (default ``results_dir``). Only into a folder of ours, a new or empty one, or the
-    results folder holding nothing but ``runs/`` (then marked as a sweep's):
-    :func:`~mergekit_loco.io.atomic.check_free_or_ours`."""
+    ``out`` (default ``results_dir``): the sweep folder itself (ours, or holding nothing but
+    ``runs/``; then marked as a sweep's), or a new or empty folder, or one such a report wrote
+    (:func:`~mergekit_loco.io.atomic.check_free_or_ours`), never another command's output."""
     results = Path(results_dir)
     out = Path(out) if out is not None else results
     if not (results / run_layout.SWEEP_RUNS).is_dir():  # a published results.csv has no curves
         raise FileNotFoundError(f"{results / run_layout.SWEEP_RUNS}: no runs to re-render")
-    reads = (run_layout.SWEEP_RUNS,) if out == results else ()
-    check_free_or_ours(out, "the report folder", reads=reads)
+    into_sweep = out.resolve() == results.resolve()
+    reads = (run_layout.SWEEP_RUNS,) if into_sweep else ()
+    kind = run_layout.SWEEP_KIND if into_sweep else run_layout.SWEEP_REPORT_KIND
+    check_free_or_ours(out, "the report folder", (kind,), reads=reads)
     runs = load_runs(results)
     if not runs:
         raise FileNotFoundError(f"{results}: no runs yet")
     summary = summarize(runs)
-    claim_folder(out, run_layout.SWEEP_KIND, reads=reads)
+    claim_folder(out, kind, reads=reads)
     write_sweep_tables(runs, summary, out)
     if figures and summary:
         from mergekit_loco.compare import figures as plots

@@ -119,25 +119,27 @@ def marked_kind(folder: Path) -> str | None:
 
 
 def check_free_or_ours(
-    folder: Path, what: str, kind: str | None = None, reads: Collection[str] = ()
+    folder: Path, what: str, kinds: Collection[str], reads: Collection[str] = ()
 ) -> None:
-    """Refuse to write into ``folder`` unless it is new, ours (:func:`is_ours`; marked ``kind``
-    when given: a model folder inside a run is no run folder), or holds nothing but the entries
-    named ``reads`` (what the command reads there); never a symlink or a file. ``--force``
-    changes nothing here. The message names the folder and a file it holds."""
+    """Refuse to write into ``folder`` unless it is new, ours and marked with one of ``kinds``
+    (:func:`marked_kind`: what the command itself writes; a model folder inside a run is no run
+    folder, a run folder no sweep), or holds nothing but the entries named ``reads`` (what the
+    command reads there); never a symlink or a file. ``--force`` changes nothing here. The
+    message names the folder, what wrote it and a file it holds."""
     if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
         what_it_is = "a symlink" if folder.is_symlink() else "not a folder"
         raise OutputRefused(
             f"{shown(folder)}: {what} is {what_it_is}; refused (choose another folder)"
         )
-    if not folder.exists() or (is_ours(folder) and kind in (None, marked_kind(folder))):
+    if not folder.exists() or marked_kind(folder) in kinds:
         return
     held = sorted(entry.name for entry in folder.iterdir() if entry.name not in reads)
     if not held:
         return
     named = next((name for name in held if name != OWNER_MARKER), held[0])
     whose = (
-        f"is a {shown(marked_kind(folder) or 'folder')} mergekit_loco wrote, not a {kind}"
+        f"is a {shown(marked_kind(folder) or 'folder')} mergekit_loco wrote, not a "
+        f"{' or a '.join(kinds)}"
         if is_ours(folder)
         else f"holds files mergekit_loco did not write (no {OWNER_MARKER})"
     )
@@ -246,18 +248,18 @@ def check_output(
 
 
 def check_results_folder(
-    out: Path, inputs: Iterable[str | Path | None], subfolders: Iterable[str] = ()
+    out: Path, kind: str, inputs: Iterable[str | Path | None], subfolders: Iterable[str] = ()
 ) -> None:
     """Refuse a results folder (``mloco compare -o``, resumed in place) unless it is new, empty
-    or ours (:func:`check_free_or_ours`), does not overlap an input, and no entry of it or of
-    its ``subfolders`` is a symlink."""
+    or ours of ``kind`` (:func:`check_free_or_ours`), does not overlap an input, and no entry
+    of it or of its ``subfolders`` is a symlink."""
     source = overlapping_input(out, inputs)
     if source is not None:
         raise OutputRefused(
             f"{shown(out)}: -o would overlap the input {shown(source)} (it is, holds or lies "
             "inside it); choose another results folder"
         )
-    check_free_or_ours(out, "-o")
+    check_free_or_ours(out, "-o", (kind,))
     for folder in (out, *(out / name for name in subfolders)):
         entries = sorted(folder.iterdir()) if folder.is_dir() else []
         for entry in entries:

@@ -25,7 +25,7 @@ from mergekit_loco.io.atomic import (
     check_output,
     staged_output,
 )
-from mergekit_loco.io.files import UnsafeInputError, inside, open_regular, shown
+from mergekit_loco.io.files import UnsafeInputError, inside, open_regular, parse_json, shown
 from mergekit_loco.io.reader import INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE, CheckpointError
 
 #: Hugging Face's default shard size.
@@ -34,6 +34,9 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 CONFIG_FILES = tuple(sorted(CHECKPOINT_SIDE_FILES - {OWNER_MARKER}))
 DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 COPY_CHUNK_BYTES = 2**20
+#: The model config among :data:`CONFIG_FILES`, and its keys that name the weights' dtype.
+CONFIG_FILE = "config.json"
+DTYPE_KEYS = ("dtype", "torch_dtype")
 
 
 class ShardBuilder:
@@ -152,6 +155,7 @@ class CheckpointWriter:
         self._tensor_bytes = 0
         self._current: ShardBuilder | None = None
         self._written: set[str] = set()
+        self._float_dtypes: set[torch.dtype] = set()
 
     # -- writing --------------------------------------------------------------------------------
     def write(self, name: str, tensor: torch.Tensor) -> None:
@@ -180,6 +184,8 @@ class CheckpointWriter:
                 self._current = ShardBuilder(self._staging, len(self._finished_shards) + 1)
             self._current.add(name, tensor)
         self._written.add(name)
+        if tensor.is_floating_point():
+            self._float_dtypes.add(tensor.dtype)
 
     def _shard_file(self, number: int) -> Path:
         return self._staging / f"shard-{number:05d}.safetensors"
@@ -220,6 +226,22 @@ class CheckpointWriter:
                         shutil.copyfileobj(handle, copy, COPY_CHUNK_BYTES)
             except UnsafeInputError as error:
                 raise CheckpointError(str(error)) from None
+        if len(self._float_dtypes) == 1 and (self._staging / CONFIG_FILE).is_file():
+            self._name_dtype(self._staging / CONFIG_FILE, *self._float_dtypes)
+
+    def _name_dtype(self, config_file: Path, dtype: torch.dtype) -> None:
+        """Set the dtype keys transformers reads (``dtype``, ``torch_dtype``; those the copied
+        ``config.json`` has) to ``dtype``, the one floating dtype written, so that
+        ``from_pretrained(OUT)`` loads the model in the dtype it was written in. A config that
+        is not a JSON object stays as copied (transformers will say what is wrong with it)."""
+        try:
+            config = parse_json(config_file.read_bytes(), shown(config_file))
+        except UnsafeInputError:
+            return
+        keys = [key for key in DTYPE_KEYS if isinstance(config, dict) and key in config]
+        if keys:
+            config |= dict.fromkeys(keys, str(dtype).removeprefix("torch."))
+            config_file.write_text(json.dumps(config, indent=2) + "\n")
 
     def _write_index(self, count: int) -> None:
         weight_map = {}

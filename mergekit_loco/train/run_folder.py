@@ -89,7 +89,7 @@ def check_new_out(out: Path) -> None:
         raise OutputRefused(
             f"{shown(out)}: name the output, like --out {shown(settled(out) / 'run')}"
         )
-    check_free_or_ours(out, "--out", RUN_KIND)
+    check_free_or_ours(out, "--out", (RUN_KIND,))
 
 
 def check_run_replaceable(out: Path, inputs: list[str]) -> None:
