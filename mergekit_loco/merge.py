@@ -412,7 +412,8 @@ def merge_checkpoints(
                 inputs=[*model_paths, base],
             )
         )
-        stream = prefetched_inputs(base_reader, readers, compute_dtype, dtype)
+        summed_in = compute_dtype if base is not None else torch.float64  # see merge_one
+        stream = prefetched_inputs(base_reader, readers, summed_in, dtype)
         bar = stack.enter_context(merge_progress(progress))
         task = bar.add_task("merge", total=len(base_reader), tensor="")
         for name, inputs in stream:
