@@ -129,7 +129,9 @@ def run_round(run: Run, display: ProgressDisplay, stop: StopSignals) -> float:
         loss = turns.dp_round(run.model, run.dp_optimizer, run.workers, config, group, display,
                               stop)  # fmt: skip
     else:
-        loss_sum = sum(turns.worker_turn(run.model, w, config, display, stop) for w in run.workers)
+        round_index = run.round_number - 1
+        loss_sum = sum(turns.worker_turn(run.model, w, config, round_index, display, stop)
+                       for w in run.workers)  # fmt: skip
         loss = group.sum([loss_sum])[0] / config.run.workers
     check_finite_loss(loss, run.round_number)
     return loss

@@ -2,12 +2,15 @@
 
 A DiLoCo worker's turn is H plain inner steps of the compute model; the DiLoCo driver hooked on
 the worker's inner optimizer ends the turn on the H-th step (its delta kept, the model reset to
-the global parameters) and, after the last local worker, takes the outer step.
+the global parameters) and, after the last local worker, takes the outer step. The turn's
+randomness (dropout) comes from :func:`turn_rng`, a function of (seed, round, worker) alone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+from collections.abc import Iterator
 
 import torch
 
@@ -20,28 +23,54 @@ from mergekit_loco.train.workers import InnerOptimizer, Worker, WorkerGroup
 EVAL_BATCH = 16
 
 
+def turn_seed(seed: int, round_index: int, worker_index: int) -> int:
+    """``sha256(seed, round, worker) mod 2**63``: the seed of one worker's turn in one round."""
+    digest = hashlib.sha256(f"mloco-turn|{seed}|{round_index}|{worker_index}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") % 2**63
+
+
+@contextlib.contextmanager
+def turn_rng(
+    seed: int, round_index: int, worker_index: int, device: torch.device
+) -> Iterator[None]:
+    """Inside: the CPU generator (and ``device``'s, on CUDA) seeded with :func:`turn_seed`, so a
+    worker's dropout masks are the same whichever process runs it and whatever ran before
+    (nothing to checkpoint); outside, the global RNG is as it was."""
+    key = turn_seed(seed, round_index, worker_index)
+    cuda = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda, device_type="cuda"):
+        torch.default_generator.manual_seed(key)
+        for each in cuda:
+            with torch.cuda.device(each):
+                torch.cuda.manual_seed(key)
+        yield
+
+
 def worker_turn(
     model: torch.nn.Module,
     worker: Worker,
     config: TrainConfig,
+    round_index: int,
     display: ProgressDisplay,
     stop: StopSignals,
 ) -> float:
-    """H inner steps of ``worker`` from the global parameters; the mean train loss. The
-    worker's optimizer state visits the device only now."""
+    """H inner steps of ``worker`` from the global parameters in round ``round_index`` (0-based),
+    under :func:`turn_rng`; the mean train loss. The worker's optimizer state visits the device
+    only now."""
     device = next(model.parameters()).device
     worker.inner.to(device)
     loss_sum = torch.zeros((), device=device)
-    for step in range(config.inner.steps):
-        batch = worker.stream.next_batch(config.worker_batch).to(device, non_blocking=True)
-        with autocast(device):
-            loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        clip_gradients(model, config.inner.grad_clip)
-        worker.inner.step()
-        loss_sum += loss.detach()
-        stop.check()
-        display.advance(worker.index, step, loss, config.worker_batch * config.data.seq_len)
+    with turn_rng(config.run.seed, round_index, worker.index, device):
+        for step in range(config.inner.steps):
+            batch = worker.stream.next_batch(config.worker_batch).to(device, non_blocking=True)
+            with autocast(device):
+                loss = model(input_ids=batch, labels=batch).loss
+            loss.backward()
+            clip_gradients(model, config.inner.grad_clip)
+            worker.inner.step()
+            loss_sum += loss.detach()
+            stop.check()
+            display.advance(worker.index, step, loss, config.worker_batch * config.data.seq_len)
     if device.type != "cpu":
         worker.inner.to("cpu")
     return loss_sum.item() / config.inner.steps
