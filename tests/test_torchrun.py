@@ -163,15 +163,17 @@ def weights(out: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_dropout_masks_follow_the_worker_not_the_process(corpus, tmp_path):
+@pytest.mark.parametrize("preset", ["isoloco", "dp"])
+def test_dropout_masks_follow_the_worker_not_the_process(corpus, tmp_path, preset):
     """GPT-2 with dropout, R = 4: 2 torchrun processes reach the simulated run's parameters
-    (each worker's masks come from (seed, round, worker), not from its process's RNG), while
-    the same run without dropout ends elsewhere (the dropout did act)."""
+    (each worker's masks come from (seed, round, worker), in dp from (seed, round, worker,
+    step), not from its process's RNG), while the same run without dropout ends elsewhere (the
+    dropout did act)."""
     options = {**FLAGS, "model": gpt2_config(tmp_path)}
-    run_torchrun(tmp_path / "torchrun", corpus, "--preset=isoloco", options=options)
-    simulated_cli(tmp_path / "sim", corpus, "--preset=isoloco", options=options)
+    run_torchrun(tmp_path / "torchrun", corpus, f"--preset={preset}", options=options)
+    simulated_cli(tmp_path / "sim", corpus, f"--preset={preset}", options=options)
     plain_options = {**FLAGS, "model": gpt2_config(tmp_path, dropout=0.0)}
-    simulated_cli(tmp_path / "plain", corpus, "--preset=isoloco", options=plain_options)
+    simulated_cli(tmp_path / "plain", corpus, f"--preset={preset}", options=plain_options)
     distributed, simulated = weights(tmp_path / "torchrun"), weights(tmp_path / "sim")
     plain = weights(tmp_path / "plain")
     assert distributed.keys() == simulated.keys() == plain.keys()

@@ -23,27 +23,41 @@ from mergekit_loco.train.workers import InnerOptimizer, Worker, WorkerGroup
 EVAL_BATCH = 16
 
 
-def turn_seed(seed: int, round_index: int, worker_index: int) -> int:
-    """``sha256(seed, round, worker) mod 2**63``: the seed of one worker's turn in one round."""
-    digest = hashlib.sha256(f"mloco-turn|{seed}|{round_index}|{worker_index}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") % 2**63
+#: The dropout modules of torch: a model holding one of p > 0 draws random numbers.
+DROPOUTS = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d,
+            torch.nn.AlphaDropout, torch.nn.FeatureAlphaDropout)  # fmt: skip
+
+
+def turn_seed(seed: int, *key: int) -> int:
+    """``sha256(seed, key...) mod 2**63``: the seed of one worker's turn, ``key`` = (round,
+    worker) in DiLoCo, (round, worker, step) in dp."""
+    text = "|".join(str(part) for part in ("mloco-turn", seed, *key))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") % 2**63
 
 
 @contextlib.contextmanager
-def turn_rng(
-    seed: int, round_index: int, worker_index: int, device: torch.device
-) -> Iterator[None]:
+def turn_rng(device: torch.device, seed: int, *key: int) -> Iterator[None]:
     """Inside: the CPU generator (and ``device``'s, on CUDA) seeded with :func:`turn_seed`, so a
     worker's dropout masks are the same whichever process runs it and whatever ran before
     (nothing to checkpoint); outside, the global RNG is as it was."""
-    key = turn_seed(seed, round_index, worker_index)
+    turn = turn_seed(seed, *key)
     cuda = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda, device_type="cuda"):
-        torch.default_generator.manual_seed(key)
+        torch.default_generator.manual_seed(turn)
         for each in cuda:
             with torch.cuda.device(each):
-                torch.cuda.manual_seed(key)
+                torch.cuda.manual_seed(turn)
         yield
+
+
+def draws_randomness(model: torch.nn.Module) -> bool:
+    """Whether a training forward pass of ``model`` draws random numbers: a torch dropout module
+    of p > 0, or a config ``attention_dropout`` above 0 (Llama-like models hand that rate to the
+    attention kernel, with no module)."""
+    rate = getattr(getattr(model, "config", None), "attention_dropout", 0.0)
+    if isinstance(rate, int | float) and rate > 0:
+        return True
+    return any(isinstance(m, DROPOUTS) and m.p > 0 for m in model.modules())
 
 
 def worker_turn(
@@ -60,7 +74,7 @@ def worker_turn(
     device = next(model.parameters()).device
     worker.inner.to(device)
     loss_sum = torch.zeros((), device=device)
-    with turn_rng(config.run.seed, round_index, worker.index, device):
+    with turn_rng(device, config.run.seed, round_index, worker.index):
         for step in range(config.inner.steps):
             batch = worker.stream.next_batch(config.worker_batch).to(device, non_blocking=True)
             with autocast(device):
@@ -81,6 +95,7 @@ def dp_round(
     optimizer: InnerOptimizer,
     workers: list[Worker],
     config: TrainConfig,
+    round_index: int,
     group: WorkerGroup,
     display: ProgressDisplay,
     stop: StopSignals,
@@ -88,21 +103,36 @@ def dp_round(
     """H steps of one model on the global batch (every worker's next batch); mean train loss.
 
     Each process computes the loss of its workers' share of the batch, scaled by that share
-    (``len(workers) / R``), so the gradients summed over processes are the global batch's."""
+    (``len(workers) / R``), so the gradients summed over processes are the global batch's. A
+    model that :func:`draws_randomness` (dropout) takes one forward pass per worker instead,
+    ``loss_w / R`` under :func:`turn_rng` of (round, worker, step), so its masks do not depend
+    on the number of processes; any other model one pass over the share."""
     device = next(model.parameters()).device
     share = len(workers) / config.run.workers
+    per_worker = draws_randomness(model)
     loss_sum = torch.zeros((), device=device)
     for step in range(config.inner.steps):
-        batch = torch.cat([w.stream.next_batch(config.worker_batch) for w in workers]).to(device)
-        with autocast(device):
-            loss = model(input_ids=batch, labels=batch).loss * share
-        loss.backward()
+        batches = [w.stream.next_batch(config.worker_batch).to(device) for w in workers]
+        if per_worker:
+            loss = torch.zeros((), device=device)
+            for worker, batch in zip(workers, batches, strict=True):
+                with turn_rng(device, config.run.seed, round_index, worker.index, step):
+                    with autocast(device):
+                        worker_loss = model(input_ids=batch, labels=batch).loss
+                    (worker_loss / config.run.workers).backward()
+                loss += worker_loss.detach() / config.run.workers
+        else:
+            batch = torch.cat(batches)
+            with autocast(device):
+                loss = model(input_ids=batch, labels=batch).loss * share
+            loss.backward()
         group.all_reduce_gradients(model)
         clip_gradients(model, config.inner.grad_clip)
         optimizer.step()
         loss_sum += loss.detach()
         stop.check()
-        display.advance(0, step, loss / share, batch.numel() / share)
+        tokens = sum(batch.numel() for batch in batches)
+        display.advance(0, step, loss / share, tokens / share)
     return group.sum([loss_sum.item()])[0] / config.inner.steps
 
 
