@@ -286,7 +286,7 @@ def train_command(
             help="No progress bar, no summary (this invocation: a --resume shows them again; "
             "--no-quiet overrides a config file).",
         ),
-    ] = None,  # fmt: skip
+    ] = None,
     debug: Debug = False,
 ) -> None:
     """DiLoCo training where any merge method is the aggregator (or a data-parallel baseline)."""
