@@ -29,9 +29,7 @@ from mergekit_loco.run_layout import CONFIG, FINAL
 from mergekit_loco.train.data import NotEnoughData, evaluate_loss, prepare_data
 from mergekit_loco.train.model import load_pretrained
 from mergekit_loco.train.sources import BUILTIN_SOURCES, split_sources
-from mergekit_loco.train.tokenizer import load_tokenizer
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+from mergekit_loco.train.tokenizer import TOKENIZER_FILES, load_tokenizer
 
 
 @dataclass(frozen=True)

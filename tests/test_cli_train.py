@@ -303,3 +303,70 @@ def test_resume_says_where_it_continues_from_and_what_to_do_when_it_cannot(
         f"error: nothing to resume: {checkpoints} holds no checkpoint; run the same command with "
         "--force (and without --resume) to start over\n"
     )
+
+
+def test_quiet_is_one_invocations_and_no_quiet_undoes_a_config_file(corpus, tmp_path, capsys):
+    """A run started with ``-q`` and stopped: its ``--resume`` talks again (before: quiet for
+    good, with no flag to undo it), a ``--resume -q`` is quiet; ``--no-quiet`` overrides
+    ``quiet: true`` in a config file. --timeout and --device describe the run: they carry over.
+    4 rounds: 1024 tokens / (4 sequences x 32 tokens x 2 inner steps)."""
+    run = tmp_path / "run"
+    flags = ["--data", corpus, "--tokens", 1024, "--timeout", 77, "--out", run]
+    code, out, _ = run_main(capsys, "train", *TINY_FLAGS, *flags, "-q", "--stop-after", 1)
+    assert (code, out) == (0, "")
+    code, out, _ = run_main(capsys, "train", "--resume", "--out", run, "-q", "--stop-after", 2)
+    assert (code, out) == (0, "")
+    code, out, err = run_main(capsys, "train", "--resume", "--out", run)
+    assert code == 0, err
+    assert f"resuming after round 2 of 4 ({run / 'checkpoints' / 'round-000002'})\n" in out
+    assert "final val loss" in out
+    saved = json.loads((run / "config.json").read_text())
+    assert (saved["quiet"], saved["timeout"], saved["device"]) == (False, 77, "cpu")
+
+    config_file = tmp_path / "quiet.yml"
+    config_file.write_text("quiet: true\n")
+    flags = ["--data", corpus, "--tokens", 512, "--config", config_file]
+    code, out, _ = run_main(capsys, "train", *TINY_FLAGS, *flags, "--out", tmp_path / "q")
+    assert (code, out) == (0, "")
+    code, out, err = run_main(capsys, "train", *TINY_FLAGS, *flags, "--no-quiet",
+                              "--out", tmp_path / "loud")  # fmt: skip
+    assert code == 0, err
+    assert "final val loss" in out and "rounds" in out
+
+
+def test_init_file_reads_the_config_and_tokenizer_beside_it_as_its_folder_does(
+    corpus, tmp_path, capsys
+):
+    """``--init FOLDER/model.safetensors`` is ``--init FOLDER``: the config.json beside the file
+    builds the model (a Llama of hidden size 16, no preset: before, 'put that config.json beside
+    the weights' although it was there) and the tokenizer beside it tokenizes the data (before:
+    ignored, a BPE trained on the data instead). Each file run ends on the folder run's
+    parameters and tokenizer, bit for bit."""
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    llama = tmp_path / "llama"  # weights and config.json, no tokenizer
+    LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=16, intermediate_size=32,
+                                 num_hidden_layers=2, num_attention_heads=2,
+                                 num_key_value_heads=2)).save_pretrained(llama)  # fmt: skip
+    flags = [*TINY_FLAGS, "--data", corpus, "--tokens", 512, "-q"]
+    code, _, err = run_main(capsys, "train", *flags, "--out", tmp_path / "base")
+    assert code == 0, err
+    trained = tmp_path / "base" / "final"  # weights, config.json and tokenizer
+    assert (trained / "tokenizer.json").is_file()
+    for name, init in (("llama", llama), ("trained", trained)):
+        for given in (init, init / "model.safetensors"):
+            out = tmp_path / f"{name}-{given.name}"
+            code, _, err = run_main(capsys, "train", *flags, "--init", given, "--out", out)
+            assert code == 0, err
+        folder, file = tmp_path / f"{name}-{init.name}", tmp_path / f"{name}-model.safetensors"
+        assert (folder / "final" / "config.json").read_text() == (
+            file / "final" / "config.json"
+        ).read_text()
+        expected = load_file(folder / "final" / "model.safetensors")
+        for tensor_name, tensor in load_file(file / "final" / "model.safetensors").items():
+            assert torch.equal(tensor, expected[tensor_name]), tensor_name
+    hidden = json.loads((tmp_path / "llama-model.safetensors/final/config.json").read_text())
+    assert hidden["hidden_size"] == 16
+    tokenizer = (trained / "tokenizer.json").read_text()
+    assert (tmp_path / "trained-model.safetensors/final/tokenizer.json").read_text() == tokenizer

@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import stdlib_corpus
+from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
+from mergekit_loco.cli import main
 from mergekit_loco.train.config import resolve_config
 from mergekit_loco.train.loop import train
 from mergekit_loco.train.workers import TorchrunWorkers
@@ -24,6 +26,9 @@ FLAGS = {
     "model": "micro", "workers": 4, "inner_steps": 2, "global_batch": 8, "seq_len": 32,
     "tokens": 1536, "vocab_size": 512, "val_tokens": 1024, "device": "cpu",
 }  # fmt: skip
+#: A tiny GPT-2 with its default dropout (0.1 on the embeddings, attention and residuals).
+GPT2 = {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 2, "n_positions": 64,
+        "vocab_size": 512}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +48,8 @@ def final_params(out: Path) -> dict[str, torch.Tensor]:
     return {name: p.detach() for name, p in model.named_parameters()}
 
 
-def run_torchrun(out: Path, corpus: str, *extra: str) -> None:
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in FLAGS.items()]
+def run_torchrun(out: Path, corpus: str, *extra: str, options: dict = FLAGS) -> None:
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in options.items()]
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
         "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
@@ -134,3 +139,63 @@ def test_a_torchrun_checkpoint_resumes_in_one_process_with_a_note(corpus, tmp_pa
     expected = final_params(tmp_path / "sim")
     for name, param in final_params(out).items():
         torch.testing.assert_close(param, expected[name], rtol=1e-4, atol=1e-6)
+
+
+def gpt2_config(folder: Path, dropout: float | None = None) -> Path:
+    """A GPT-2 config file: its default dropout, or ``dropout`` everywhere."""
+    path = folder / ("gpt2.json" if dropout is None else f"gpt2-dropout-{dropout}.json")
+    rates = {} if dropout is None else dict.fromkeys(("embd_pdrop", "attn_pdrop", "resid_pdrop"),
+                                                     dropout)  # fmt: skip
+    path.write_text(json.dumps({**GPT2, **rates}))
+    return path
+
+
+def simulated_cli(out: Path, corpus: str, *extra: str, options: dict = FLAGS) -> None:
+    """``mloco train`` in this process, as a user types it."""
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in options.items()]
+    with pytest.raises(SystemExit) as exited:
+        main(["train", *flags, f"--data={corpus}", f"--out={out}", "--quiet", *extra])
+    assert exited.value.code == 0
+
+
+def weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(out / "final" / "model.safetensors")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["isoloco", "dp"])
+def test_dropout_masks_follow_the_worker_not_the_process(corpus, tmp_path, preset):
+    """GPT-2 with dropout, R = 4: 2 torchrun processes reach the simulated run's parameters
+    (each worker's masks come from (seed, round, worker), in dp from (seed, round, worker,
+    step), not from its process's RNG), while the same run without dropout ends elsewhere (the
+    dropout did act)."""
+    options = {**FLAGS, "model": gpt2_config(tmp_path)}
+    run_torchrun(tmp_path / "torchrun", corpus, f"--preset={preset}", options=options)
+    simulated_cli(tmp_path / "sim", corpus, f"--preset={preset}", options=options)
+    plain_options = {**FLAGS, "model": gpt2_config(tmp_path, dropout=0.0)}
+    simulated_cli(tmp_path / "plain", corpus, f"--preset={preset}", options=plain_options)
+    distributed, simulated = weights(tmp_path / "torchrun"), weights(tmp_path / "sim")
+    plain = weights(tmp_path / "plain")
+    assert distributed.keys() == simulated.keys() == plain.keys()
+    for name, param in simulated.items():
+        torch.testing.assert_close(distributed[name], param, rtol=1e-4, atol=1e-6)
+    gap = max((simulated[n] - plain[n]).abs().max().item() for n in simulated)
+    assert gap > 1e-3
+
+
+@pytest.mark.slow
+def test_a_resumed_dropout_run_equals_an_uninterrupted_one(corpus, tmp_path):
+    """GPT-2 with dropout stopped after round 1 and resumed, in one process (the same bits) and
+    under 2 torchrun processes (to float rounding): both end on the uninterrupted run."""
+    options = {**FLAGS, "model": gpt2_config(tmp_path)}
+    simulated_cli(tmp_path / "whole", corpus, "--preset=diloco", options=options)
+    for out in (tmp_path / "resumed", tmp_path / "resumed-torchrun"):
+        simulated_cli(out, corpus, "--preset=diloco", "--stop-after=1", options=options)
+        assert not (out / "final").exists()
+    simulated_cli(tmp_path / "resumed", corpus, "--resume", options={})
+    run_torchrun(tmp_path / "resumed-torchrun", corpus, "--resume", options={})
+    whole = weights(tmp_path / "whole")
+    for name, param in weights(tmp_path / "resumed").items():
+        assert torch.equal(param, whole[name]), name
+    for name, param in weights(tmp_path / "resumed-torchrun").items():
+        torch.testing.assert_close(param, whole[name], rtol=1e-4, atol=1e-6)

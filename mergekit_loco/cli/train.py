@@ -17,7 +17,6 @@ from mergekit_loco.cli.catalog import method_names
 from mergekit_loco.cli.common import (
     EXIT_INTERRUPTED,
     Debug,
-    Quiet,
     one_line,
     print_error,
     user_errors,
@@ -279,7 +278,15 @@ def train_command(
             "the start, at most the physical cores)."
         ),
     ] = None,
-    quiet: Quiet = False,
+    quiet: Annotated[
+        bool | None,
+        typer.Option(
+            "--quiet/--no-quiet",
+            "-q",
+            help="No progress bar, no summary (this invocation: a --resume shows them again; "
+            "--no-quiet overrides a config file).",
+        ),
+    ] = None,
     debug: Debug = False,
 ) -> None:
     """DiLoCo training where any merge method is the aggregator (or a data-parallel baseline)."""
@@ -305,7 +312,7 @@ def train_command(
         outer_momentum=outer_momentum, nesterov=nesterov, inner_lr=inner_lr,
         inner_optimizer=inner_optimizer, weight_decay=weight_decay, grad_clip=grad_clip,
         warmup_fraction=warmup_fraction, timeout=timeout, compression=compression, device=device,
-        quiet=quiet or None,
+        quiet=quiet,
         aggregator_options=aggregator_options or None,
     )  # fmt: skip
     check_not_resume_and_force(config, flags)
@@ -329,7 +336,7 @@ def train_command(
         typer.echo("preparing the tokenizer, data and model (the first run on a corpus trains a "
                    "tokenizer and tokenizes it: seconds for stdlib, cached after) ...")  # fmt: skip
     try:
-        result = train(run_config, progress=not quiet)
+        result = train(run_config)
     except TrainingInterrupted as stopped:
         print_error(one_line(stopped))
         raise typer.Exit(EXIT_INTERRUPTED) from None

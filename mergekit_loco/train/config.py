@@ -70,8 +70,10 @@ RUNTIME_FIELDS = frozenset(
 #: What to do with the run folder, typed for one invocation: never read from a config file nor
 #: saved in config.json (a saved ``force`` would let any copy of the file clobber a run).
 FOLDER_ACTIONS = ("resume", "allow_config_change", "force")
-#: Saved in config.json but not carried into a resume: it ends the invocation that asked.
-ONE_INVOCATION = ("stop_after",)
+#: Saved in config.json but not carried into a resume: they say how the invocation that typed
+#: them ends (``stop_after``) or talks (``quiet``). The other runtime fields (device, timeout,
+#: eval and checkpoint cadence) describe the run and carry over unless given again.
+ONE_INVOCATION = ("stop_after", "quiet")
 FLOAT32_MAX = 3.4028234663852886e38
 #: option -> (largest value, as messages show it): a trained BPE's vocabulary (the tokenizer
 #: trainer aborts far beyond it), the collective timeout (a timedelta holds 8.6e13 seconds),

@@ -124,12 +124,13 @@ def note_other_world_size(run: Run) -> None:
 
 def run_round(run: Run, display: ProgressDisplay, stop: StopSignals) -> float:
     """One round's inner steps (the driver takes the outer step); the mean train loss."""
-    config, group = run.config, run.group
+    config, group, round_index = run.config, run.group, run.round_number - 1
     if run.driver is None:
-        loss = turns.dp_round(run.model, run.dp_optimizer, run.workers, config, group, display,
-                              stop)  # fmt: skip
+        loss = turns.dp_round(run.model, run.dp_optimizer, run.workers, config, round_index,
+                              group, display, stop)  # fmt: skip
     else:
-        loss_sum = sum(turns.worker_turn(run.model, w, config, display, stop) for w in run.workers)
+        loss_sum = sum(turns.worker_turn(run.model, w, config, round_index, display, stop)
+                       for w in run.workers)  # fmt: skip
         loss = group.sum([loss_sum])[0] / config.run.workers
     check_finite_loss(loss, run.round_number)
     return loss

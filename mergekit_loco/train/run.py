@@ -52,7 +52,11 @@ from mergekit_loco.train.model import (
     parameter_checksum,
 )
 from mergekit_loco.train.run_folder import MetricsLog, check_output, claim_output
-from mergekit_loco.train.tokenizer import load_or_train_tokenizer, load_tokenizer
+from mergekit_loco.train.tokenizer import (
+    TOKENIZER_FILES,
+    load_or_train_tokenizer,
+    load_tokenizer,
+)
 from mergekit_loco.train.workers import InnerOptimizer, Worker, WorkerGroup
 
 
@@ -315,25 +319,34 @@ def main_process_first(group: WorkerGroup, load):
 
 
 def find_tokenizer(config: TrainConfig) -> tuple[str | None, PreTrainedTokenizerBase]:
-    """``--tokenizer``, else the ``--init`` folder's tokenizer, else a BPE trained on the data."""
+    """``--tokenizer``, else the tokenizer beside the ``--init`` weights (:func:`init_folder`),
+    else a BPE trained on the data."""
     path = config.data.tokenizer
     if path is None and config.model.init is not None:
-        init = Path(config.model.init)
-        if any((init / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
-            path = str(init)
+        folder = init_folder(config.model.init)
+        if any((folder / name).is_file() for name in TOKENIZER_FILES):
+            path = str(folder)
     if path is not None:
         return path, load_tokenizer(path)
     return None, load_or_train_tokenizer(config.data.source, config.data.vocab_size)
 
 
+def init_folder(init: str | Path) -> Path:
+    """The folder of the ``--init`` weights, where their config.json and tokenizer may lie: the
+    folder given, or a weights file's folder (``CheckpointReader.config_dir``, which ``mloco
+    eval`` and ``load_pretrained`` read too)."""
+    with open_checkpoint(init) as reader:
+        return reader.config_dir
+
+
 def check_init(config: TrainConfig) -> None:
     """Refuse an ``--init`` checkpoint the model cannot load before the tokenizer and the data
-    are prepared: a folder's config.json against its weights, weights alone against ``--model``
-    (:func:`~mergekit_loco.train.model.check_weights_fit`)."""
+    are prepared: the config.json beside the weights against them, weights alone against
+    ``--model`` (:func:`~mergekit_loco.train.model.check_weights_fit`)."""
     if config.model.init is None:
         return
     init = Path(config.model.init)
-    if (init / "config.json").is_file():
+    if (init_folder(init) / "config.json").is_file():
         check_pretrained(init, "--init")
         return
     with open_checkpoint(init) as reader:
@@ -342,8 +355,8 @@ def check_init(config: TrainConfig) -> None:
 
 def load_model(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> torch.nn.Module:
     """A fresh seeded model of ``config.model.name``, or the ``config.model.init`` checkpoint
-    (an HF folder with config.json, or weights that fit the model, their vocabulary rows
-    included), in float32."""
+    (weights with config.json beside them, a folder or a file in it, or weights that fit the
+    model, their vocabulary rows included), in float32."""
     vocab = len(tokenizer)
     if config.model.init is None:
         spec = model_config(
@@ -351,7 +364,7 @@ def load_model(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> torch
         )
         return build_model(spec, config.run.seed)
     init = Path(config.model.init)
-    if (init / "config.json").is_file():
+    if (init_folder(init) / "config.json").is_file():
         model = load_pretrained(init, "--init")  # config checked against the weights first
     else:
         with open_checkpoint(init) as reader:

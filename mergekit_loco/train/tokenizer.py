@@ -22,6 +22,8 @@ from mergekit_loco.train.sources import cache_root, load_documents
 EOS_TOKEN = "<|endoftext|>"
 TOKENIZER_TRAIN_CHARS = 4_000_000
 CACHE_FORMAT = 1  # bump whenever a change alters the tokenizer or the token streams
+#: The files that make a folder hold a Hugging Face tokenizer (one of them suffices).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def train_tokenizer(
