@@ -44,6 +44,7 @@ from mergekit_loco.train.guards import check_data_left
 from mergekit_loco.train.model import (
     build_model,
     check_pretrained,
+    check_seq_len,
     check_weights_fit,
     checkpoint_vocab,
     count_parameters,
@@ -52,7 +53,11 @@ from mergekit_loco.train.model import (
     parameter_checksum,
 )
 from mergekit_loco.train.run_folder import MetricsLog, check_output, claim_output
-from mergekit_loco.train.tokenizer import load_or_train_tokenizer, load_tokenizer
+from mergekit_loco.train.tokenizer import (
+    as_saved_beside,
+    load_or_train_tokenizer,
+    load_tokenizer,
+)
 from mergekit_loco.train.workers import InnerOptimizer, Worker, WorkerGroup
 
 
@@ -209,8 +214,10 @@ def start_run(config: TrainConfig, group: WorkerGroup, started: float | None = N
     resume_from = check_output(out, config)
     check_init(config)
     torch.manual_seed(config.run.seed)
-    tokenizer_path, tokenizer = main_process_first(group, lambda: find_tokenizer(config))
+    tokenizer = main_process_first(group, lambda: find_tokenizer(config))
     model = load_model(config, tokenizer).to(group.device).train()
+    check_seq_len(model.config, config.data.seq_len, config.model.init or config.model.name)
+    tokenizer = as_saved_beside(tokenizer, model.config)  # what final/ will reload to
     if config.model.init is not None and model.config.vocab_size > len(tokenizer) and group.is_main:
         print(f"note: --init {config.model.init} has {model.config.vocab_size} vocabulary rows "
               f"and the tokenizer {len(tokenizer)}: the rows above are never used; if the "
@@ -221,7 +228,7 @@ def start_run(config: TrainConfig, group: WorkerGroup, started: float | None = N
     steps = rounds * config.inner.steps
     diloco = config.run.mode == "diloco"
     dp_optimizer = None if diloco else InnerOptimizer(model, config, steps)
-    data = main_process_first(group, lambda: load_data(config, tokenizer_path, rounds))
+    data = main_process_first(group, lambda: load_data(config, tokenizer, rounds))
     group.check_identical(token_checksum(data), "the tokens of --data")
     workers = [
         Worker(
@@ -314,16 +321,21 @@ def main_process_first(group: WorkerGroup, load):
     return result
 
 
-def find_tokenizer(config: TrainConfig) -> tuple[str | None, PreTrainedTokenizerBase]:
-    """``--tokenizer``, else the ``--init`` folder's tokenizer, else a BPE trained on the data."""
+def find_tokenizer(config: TrainConfig) -> PreTrainedTokenizerBase:
+    """``--tokenizer``, else the ``--init`` folder's tokenizer (named by its path), else a BPE
+    trained on the data (unnamed)."""
     path = config.data.tokenizer
     if path is None and config.model.init is not None:
         init = Path(config.model.init)
         if any((init / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
             path = str(init)
     if path is not None:
-        return path, load_tokenizer(path)
-    return None, load_or_train_tokenizer(config.data.source, config.data.vocab_size)
+        tokenizer = load_tokenizer(path)
+        tokenizer.name_or_path = str(path)
+        return tokenizer
+    tokenizer = load_or_train_tokenizer(config.data.source, config.data.vocab_size)
+    tokenizer.name_or_path = ""
+    return tokenizer
 
 
 def check_init(config: TrainConfig) -> None:
@@ -370,13 +382,14 @@ def load_model(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> torch
     return model.to(torch.float32)
 
 
-def load_data(config: TrainConfig, tokenizer_path: str | None, rounds: int) -> PreparedData:
-    """Train tokens for ``rounds`` rounds (R equal shards), ``val_tokens`` held out."""
+def load_data(config: TrainConfig, tokenizer: PreTrainedTokenizerBase, rounds: int) -> PreparedData:
+    """Train tokens for ``rounds`` rounds (R equal shards), ``val_tokens`` held out, in
+    ``tokenizer``'s ids."""
     train_tokens = rounds * config.tokens_per_round()
     try:
         return prepare_data(
             config.data.source,
-            tokenizer=tokenizer_path,
+            tokenizer=tokenizer,
             max_train_tokens=train_tokens,
             val_tokens=config.data.val_tokens,
             vocab_size=config.data.vocab_size,

@@ -8,11 +8,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import (
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
 
 from mergekit_loco.io.atomic import OutputExistsError, staged_output
 from mergekit_loco.io.hf import NO_REMOTE_CODE, check_hf_folder
@@ -100,6 +106,27 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
         return AutoTokenizer.from_pretrained(folder, **NO_REMOTE_CODE)
     except (OSError, ValueError) as error:
         raise ValueError(f"tokenizer {str(path)!r} cannot be loaded: {error}") from error
+
+
+def as_saved_beside(
+    tokenizer: PreTrainedTokenizerBase, model_config: PretrainedConfig
+) -> PreTrainedTokenizerBase:
+    """``tokenizer`` as ``AutoTokenizer.from_pretrained`` reads it back from a folder that holds
+    it beside ``model_config``'s config.json: the tokenizer a run trains with, so that its final/
+    folder (and any merge of it) reloads to exactly that tokenizer.
+
+    transformers picks the class by the config's model_type for some types, whatever
+    tokenizer_config.json names: a qwen2 or phi3 folder loads as that model's tokenizer, which
+    rebuilds its own normalizer and pre-tokenizer around the saved vocabulary and merges (a BPE
+    trained with GPT-2's pre-tokenizer then splits text differently). The result keeps
+    ``tokenizer.name_or_path``.
+    """
+    with tempfile.TemporaryDirectory(prefix="mloco-tokenizer-") as folder:
+        model_config.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        reloaded = load_tokenizer(folder)
+    reloaded.name_or_path = tokenizer.name_or_path
+    return reloaded
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
