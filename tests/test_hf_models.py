@@ -8,12 +8,20 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import stdlib_corpus
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GPT2Config,
+    GPT2LMHeadModel,
+    PreTrainedTokenizerFast,
+)
 
 from mergekit_loco.cli import main
 from mergekit_loco.train import data as data_module
@@ -224,3 +232,31 @@ def test_seq_len_beyond_learned_positions_is_one_line_before_anything_is_written
     code, err = cli_error(capsys, "eval", str(tmp_path / "rotary" / "final"), "--data", corpus,
                           "--seq-len", "32", "--tokens", "1024")  # fmt: skip
     assert code in (0, None) and err == "", err
+
+
+def test_a_tokenizer_its_model_type_would_reload_lossily_is_refused(corpus, tmp_path, capsys):
+    """A Metaspace BPE (Llama-2 style) that a qwen2 folder would reload as Qwen2Tokenizer, which
+    drops its spaces: the run stops before --out exists, one line naming both; a Llama run takes
+    it as it is."""
+    documents = [path.read_text() for path in sorted(Path(corpus).iterdir())]
+    backend = Tokenizer(models.BPE(byte_fallback=True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace()])
+    special = ["<|endoftext|>", *(f"<0x{byte:02X}>" for byte in range(256))]
+    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=special, show_progress=False)
+    backend.train_from_iterator(documents, trainer=trainer)
+    folder = tmp_path / "metaspace"
+    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>").save_pretrained(
+        folder
+    )
+    config_file = tmp_path / "qwen2.json"
+    config_file.write_text(json.dumps({"model_type": "qwen2", **CONFIGS["qwen2"]}))
+    out = tmp_path / "run"
+    code, err = cli_error(capsys, "train", *TINY_FLAGS, "--model", str(config_file), "--tokenizer",
+                          str(folder), "--data", corpus, "--out", str(out))  # fmt: skip
+    assert code == 2 and err.count("\n") == 1 and not out.exists(), err
+    assert err.startswith(f"error: tokenizer {folder}: a qwen2 model's folder reloads it as "
+                          "Qwen2Tokenizer, which reads 'def f(x)")  # fmt: skip
+    assert err.endswith("pass --tokenizer one made for qwen2, or --model another model_type\n")
+    train_cli("--model", "micro", "--tokenizer", str(folder), "--data", corpus, "--out", str(out))
+    assert (out / "final" / "model.safetensors").is_file()

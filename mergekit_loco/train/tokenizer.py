@@ -116,17 +116,37 @@ def as_saved_beside(
     folder (and any merge of it) reloads to exactly that tokenizer.
 
     transformers picks the class by the config's model_type for some types, whatever
-    tokenizer_config.json names: a qwen2 or phi3 folder loads as that model's tokenizer, which
-    rebuilds its own normalizer and pre-tokenizer around the saved vocabulary and merges (a BPE
-    trained with GPT-2's pre-tokenizer then splits text differently). The result keeps
+    tokenizer_config.json names: a qwen2 folder loads as Qwen2Tokenizer, which rebuilds its own
+    normalizer and pre-tokenizer around the saved vocabulary and merges (a BPE trained with
+    GPT-2's pre-tokenizer then splits text differently, losslessly). A reload that loses text
+    (:data:`ROUND_TRIP_TEXT` reads back otherwise than through ``tokenizer``: a Metaspace
+    tokenizer rebuilt as Qwen2Tokenizer drops its spaces) is a ``ValueError``. The result keeps
     ``tokenizer.name_or_path``.
     """
     with tempfile.TemporaryDirectory(prefix="mloco-tokenizer-") as folder:
         model_config.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
         reloaded = load_tokenizer(folder)
+    before, after = _round_trip(tokenizer), _round_trip(reloaded)
+    if after != before:
+        raise ValueError(
+            f"tokenizer {tokenizer.name_or_path or '(the BPE trained on --data)'}: a "
+            f"{model_config.model_type} model's folder reloads it as {type(reloaded).__name__}, "
+            f"which reads {ROUND_TRIP_TEXT!r} back as {after!r}; pass --tokenizer one made for "
+            f"{model_config.model_type}, or --model another model_type"
+        )
     reloaded.name_or_path = tokenizer.name_or_path
     return reloaded
+
+
+#: Text whose round trip (:func:`_round_trip`) shows a tokenizer dropping or changing characters.
+ROUND_TRIP_TEXT = "def f(x):\n    return  x\t+ 1\n\ncafé 中文 😀"
+
+
+def _round_trip(tokenizer: PreTrainedTokenizerBase, text: str = ROUND_TRIP_TEXT) -> str:
+    """``decode(encode(text))``, without special tokens or clean-up."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer.decode(ids, clean_up_tokenization_spaces=False)
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
