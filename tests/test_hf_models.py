@@ -21,11 +21,12 @@ from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
     PreTrainedTokenizerFast,
+    Qwen2Tokenizer,
 )
 
 from mergekit_loco.cli import main
 from mergekit_loco.train import data as data_module
-from mergekit_loco.train.tokenizer import batch_encoder, load_tokenizer
+from mergekit_loco.train.tokenizer import batch_encoder, load_or_train_tokenizer, load_tokenizer
 
 TINY_FLAGS = [
     "--workers", "2", "--inner-steps", "2", "--global-batch", "4", "--seq-len", "32",
@@ -124,7 +125,8 @@ def test_final_and_merged_tokenizers_reload_to_the_training_tokenizer(
     """final/'s tokenizer, read back by ``AutoTokenizer.from_pretrained`` (transformers picks
     the class from config.json's model_type) and by our loader, and a merge's, give the ids
     the run's data were encoded with; so ``mloco eval`` of final/ is the run's final val_loss
-    (before: a qwen2 run reloaded as Qwen2Tokenizer, 5.8131 against 5.7917)."""
+    (before: a qwen2 run reloaded as Qwen2Tokenizer, 5.8131 against 5.7917). Its merges are
+    the BPE's learned on that split (Qwen2's for qwen2, GPT-2's byte-level for the others)."""
     monkeypatch.setenv("MLOCO_CACHE", str(tmp_path / "cache"))  # the data are encoded afresh
     encoders = []
 
@@ -159,6 +161,10 @@ def test_final_and_merged_tokenizers_reload_to_the_training_tokenizer(
         assert reloaded(TRICKY_TEXT, add_special_tokens=False)["input_ids"] == expected
         ours = load_tokenizer(folder)
         assert ours(TRICKY_TEXT, add_special_tokens=False)["input_ids"] == expected
+    merges = json.loads((final / "tokenizer.json").read_text())["model"]["merges"]
+    split_like = Qwen2Tokenizer() if model_type == "qwen2" else None  # transformers' own split
+    bpe = load_or_train_tokenizer(corpus, 512, split_like=split_like)
+    assert merges == json.loads(bpe.backend_tokenizer.to_str())["model"]["merges"]
     run_loss = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["val_loss"]
     capsys.readouterr()
     with pytest.raises(SystemExit) as exited:

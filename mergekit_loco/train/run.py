@@ -53,11 +53,7 @@ from mergekit_loco.train.model import (
     parameter_checksum,
 )
 from mergekit_loco.train.run_folder import MetricsLog, check_output, claim_output
-from mergekit_loco.train.tokenizer import (
-    as_saved_beside,
-    load_or_train_tokenizer,
-    load_tokenizer,
-)
+from mergekit_loco.train.tokenizer import as_saved_beside, load_tokenizer, tokenizer_for_model
 from mergekit_loco.train.workers import InnerOptimizer, Worker, WorkerGroup
 
 
@@ -333,7 +329,10 @@ def find_tokenizer(config: TrainConfig) -> PreTrainedTokenizerBase:
         tokenizer = load_tokenizer(path)
         tokenizer.name_or_path = str(path)
         return tokenizer
-    tokenizer = load_or_train_tokenizer(config.data.source, config.data.vocab_size)
+    init = config.model.init
+    spec = init if init is not None and (Path(init) / "config.json").is_file() else None
+    model = model_config(spec or config.model.name, config.data.vocab_size)
+    tokenizer = tokenizer_for_model(config.data.source, config.data.vocab_size, model)
     tokenizer.name_or_path = ""
     return tokenizer
 
