@@ -22,12 +22,13 @@ from rich.table import Table
 from transformers import PreTrainedModel
 
 from mergekit_loco.compare.stats import Spread, spread
+from mergekit_loco.device import resolve_device
 from mergekit_loco.io import open_checkpoint
 from mergekit_loco.io.files import MAX_JSON_BYTES, UnsafeInputError, read_json, read_limited, shown
 from mergekit_loco.io.hf import check_hf_folder
 from mergekit_loco.run_layout import CONFIG, FINAL
 from mergekit_loco.train.data import NotEnoughData, evaluate_loss, prepare_data
-from mergekit_loco.train.model import load_pretrained
+from mergekit_loco.train.model import check_seq_len, load_pretrained
 from mergekit_loco.train.sources import BUILTIN_SOURCES, split_sources
 from mergekit_loco.train.tokenizer import TOKENIZER_FILES, load_tokenizer
 
@@ -198,10 +199,12 @@ def evaluate_models(
         raise ValueError(f"--seq-len must be >= 2, got {seq_len}")
     if val_sets < 1:
         raise ValueError(f"--val-sets must be >= 1, got {val_sets}")
+    device = resolve_device(device)
     results = []
     for path in models:
         config_folder, folder = model_folders(path, tokenizer)
         model = load_model(path, device, config_folder)
+        check_seq_len(model.config, seq_len, path)
         for data in datasets:
             try:
                 held_out = held_out_tokens(data, folder, tokens * val_sets, seed)
@@ -264,12 +267,19 @@ def same_source(run_source: str, source: str) -> bool:
 
 
 def held_out_warnings(
-    models: Sequence[str | Path], datasets: Sequence[str], tokens: int, seed: int, val_sets: int = 1
+    models: Sequence[str | Path],
+    datasets: Sequence[str],
+    tokens: int,
+    seed: int,
+    val_sets: int = 1,
+    command: str = "eval",
+    tokens_option: str = "--tokens",
 ) -> list[str]:
     """Why an evaluation of a training run's final model would score tokens other than the
     run's validation set (read from its ``config.json``): more than its ``val_tokens``, another
     seed than its validation seed, other data. Warnings, not errors: scoring other data is a
-    fair question, but not the run's held-out loss."""
+    fair question, but not the run's held-out loss. ``command`` and ``tokens_option``: how the
+    advice names the command and its token count (``compare``, ``--eval-tokens``)."""
     warnings = []
     for model in models:
         found = run_config_of(model)
@@ -281,7 +291,7 @@ def held_out_warnings(
             warnings.append(
                 f"{shown(model)}: the run held out {held_out:,} validation tokens "
                 f"({shown(config_file)}), so {asked:,} evaluated tokens include tokens it "
-                f"trained on; pass --tokens {held_out // val_sets}"
+                f"trained on; pass {tokens_option} {held_out // val_sets}"
             )
         val_seed = run.get("val_seed") if run.get("val_seed") is not None else run.get("seed")
         if isinstance(val_seed, int) and val_seed != seed:
@@ -295,7 +305,7 @@ def held_out_warnings(
             mixture = "+".join(split_sources(data))  # how eval names the run's mixture
             warnings.append(
                 f"{shown(model)}: the run trained on --data {shown(data)} ({shown(config_file)}; "
-                f"eval --data {shown(mixture)}); the held-out tokens of "
+                f"{command} --data {shown(mixture)}); the held-out tokens of "
                 f"{', '.join(shown(d) for d in datasets)} are not its validation set"
             )
     return warnings

@@ -21,6 +21,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from mergekit_loco.device import resolve_device
 from mergekit_loco.io import (
     DEFAULT_MAX_SHARD_BYTES,
     CheckpointError,
@@ -298,24 +299,6 @@ def resolve_method(method: str | MergeMethod, params: dict) -> MergeMethod:
             )
         return method
     return get_method(method, **params)
-
-
-def resolve_device(device: str | torch.device) -> torch.device:
-    """``device`` as a torch device the merge can run on: the CPU or a CUDA device that exists
-    (``meta``, ``mps`` and the like are refused by name, before any tensor is read)."""
-    try:
-        resolved = torch.device(device)
-    except RuntimeError:
-        raise ValueError(f"--device: {device!r} is not a device (use cpu or cuda)") from None
-    if resolved.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device {device}: merges run on cpu or cuda, not {resolved.type}")
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is available here")
-    if resolved.type == "cuda" and (resolved.index or 0) >= torch.cuda.device_count():
-        raise ValueError(
-            f"--device {device}: there are {torch.cuda.device_count()} CUDA devices here"
-        )
-    return resolved
 
 
 def merge_progress(enabled: bool) -> Progress:

@@ -371,6 +371,50 @@ def test_compare_command_seed_list_shared_inner_settings_and_val_seed(tmp_path, 
         assert runs.is_finished(tmp_path / "out" / "runs" / name)
 
 
+def test_merge_mode_warns_like_eval_when_it_would_score_trained_tokens(tmp_path, domains, capsys):
+    """compare --mode merge scores each fine-tune's domain: more --eval-tokens than the
+    fine-tunes held out, another --seed, or a domain a fine-tune was not trained on give the
+    warnings ``mloco eval`` gives (one function: evaluate.held_out_warnings), one line each;
+    the right settings give none (before: silent)."""
+    from mergekit_loco import cli
+
+    toy = {**TOY, "workers": 1, "inner_steps": 2, "tokens": 256}
+
+    def trained(out: str, data: str, init: str | None = None) -> str:
+        config = preset_config("dp", data=data, init=init, out=str(tmp_path / out), **toy)
+        return str(train(config, progress=False).out / "final")
+
+    base = trained("base", ",".join(domains[:2]))
+    finetuned = [trained(f"ft{i}", domain, base) for i, domain in enumerate(domains[:2])]
+
+    def compare(data: list[str], *options: str) -> list[str]:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["compare", "--mode", "merge", "--base", str(base), "--finetuned",
+                      ",".join(finetuned), "--data", ",".join(data), "--methods", "mean",
+                      "--scales", "1", "--seq-len", "32", "--no-figures", "--quiet",
+                      "-o", str(tmp_path / "cmp"), "--force", *options])  # fmt: skip
+        assert exit_info.value.code in (0, None)
+        return capsys.readouterr().err.splitlines()
+
+    assert compare(domains[:2], "--eval-tokens", "1024", "--seed", "0") == []
+    warnings = compare(domains[:2], "--eval-tokens", "2048", "--seed", "3")
+    expected = []
+    for path in finetuned:
+        config = Path(path).parent / "config.json"
+        expected += [
+            f"warning: {path}: the run held out 1,024 validation tokens ({config}), so 2,048 "
+            "evaluated tokens include tokens it trained on; pass --eval-tokens 1024",
+            f"warning: {path}: the run held out its validation tokens with seed 0 ({config}), "
+            "so --seed 3 evaluates other documents, some of them trained on; pass --seed 0",
+        ]
+    assert warnings == expected
+    swapped = compare(domains[1::-1], "--eval-tokens", "1024")  # each scored on the other's
+    assert len(swapped) == 2 and all("; compare --data " in w for w in swapped), swapped
+    assert swapped[0].startswith(f"warning: {finetuned[0]}: the run trained on --data ")
+    assert swapped[0].endswith(f"the held-out tokens of {domains[1]} are not its validation set")
+
+
 def test_compare_command_errors_are_one_line(capsys):
     from mergekit_loco import cli
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from mergekit_loco import cli
+from mergekit_loco.compare.merges import compare_merges
 from mergekit_loco.evaluate import evaluate_models, held_out_tokens, val_set_spreads
 from mergekit_loco.train.model import build_model, model_config
 from mergekit_loco.train.tokenizer import load_or_train_tokenizer
@@ -259,3 +261,27 @@ def test_eval_of_a_run_warns_when_it_would_score_trained_tokens(corpus, tmp_path
     assert code == 0 and err == "", err  # eval's a+b is train's a,b
     code, _, err = eval_cli(capsys, final, "--data", corpus, "--tokens", 300)
     assert f"; eval --data {corpus}+{other}); the held-out tokens of {corpus} are" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_device_errors_are_one_line_in_every_command(model_folder, corpus, tmp_path, capsys):
+    """One --device check (mergekit_loco.device) for eval, merge, train and compare's merges:
+    an unknown device or CUDA on a CPU machine is one line, exit 2 (before: eval printed an
+    AssertionError or RuntimeError traceback)."""
+    for device, message in (
+        ("cuda", "--device cuda: no CUDA device is available here"),
+        ("tpu", "--device: 'tpu' is not a device (use cpu or cuda)"),
+        ("meta", "--device meta: mloco runs on cpu or cuda, not meta"),
+    ):
+        code, _, err = eval_cli(capsys, model_folder, "--data", corpus, "--device", device)
+        assert (code, err) == (2, f"error: {message}\n")
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            compare_merges(model_folder, [model_folder] * 2, [corpus, "stdlib"], ["mean"], [1.0],
+                           tmp_path / "cmp", device=device)  # fmt: skip
+        assert not (tmp_path / "cmp").exists()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train", "--model=micro", "--device=cuda", f"--data={corpus}",
+                  f"--out={tmp_path / 'run'}", "--quiet"])  # fmt: skip
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == "error: --device cuda: no CUDA device is available here\n"

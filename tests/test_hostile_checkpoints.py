@@ -169,8 +169,8 @@ def test_8_bit_float_inputs_merge_in_float32_and_keep_their_dtype(capsys, tmp_pa
     (["--scale", "1e39"], "--scale"), (["--seed", str(10**23)], "--seed"),
     (["--seed", "1e23"], "--seed"), (["--shard-size", "0.1B"], "--shard-size"),
     (["--option", f"seed={10**26}"], "seed must be an integer in [0, 2**63)"),
-    (["--device", "meta"], "merges run on cpu or cuda, not meta"),
-    (["--device", "mps"], "merges run on cpu or cuda, not mps"),
+    (["--device", "meta"], "mloco runs on cpu or cuda, not meta"),
+    (["--device", "mps"], "mloco runs on cpu or cuda, not mps"),
 ])  # fmt: skip
 def test_out_of_range_options_are_one_line(capsys, tmp_path, option, fragment):
     save_file({"w": torch.ones(2)}, tmp_path / "base.safetensors")

@@ -198,15 +198,28 @@ def compare_command(
     if mode == "merge":
         if base is None or finetuned is None or data is None:
             raise ValueError("--mode merge needs --base, --finetuned and --data")
+        from mergekit_loco import evaluate
         from mergekit_loco.compare import check_unique
         from mergekit_loco.compare.merges import compare_merges
 
-        finetuned_paths = split_paths(finetuned)
+        finetuned_paths, domains = split_paths(finetuned), split_datasets(data)
         check_unique("--finetuned", finetuned_paths)
+        # each fine-tune against its own domain (a count mismatch is compare_merges' error)
+        for path, domain in zip(finetuned_paths, domains, strict=False):
+            warnings = evaluate.held_out_warnings(
+                [path],
+                [domain],
+                eval_tokens,
+                seed,
+                command="compare",
+                tokens_option="--eval-tokens",
+            )
+            for warning in warnings:
+                print_warning(warning)
         compare_merges(
             base=base,
             finetuned=finetuned_paths,
-            data=split_datasets(data),
+            data=domains,
             methods=split_list("--methods", methods),
             scales=split_list("--scales", scales, float),
             out=output,

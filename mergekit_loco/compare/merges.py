@@ -15,12 +15,13 @@ from rich.console import Console
 
 from mergekit_loco import evaluate
 from mergekit_loco.compare.merge_report import EVALUATIONS, MergeRow, report_merges
+from mergekit_loco.device import resolve_device
 from mergekit_loco.io.atomic import check_results_folder, claim_folder, write_atomically
 from mergekit_loco.io.files import read_json
 from mergekit_loco.merge import merge_checkpoints
 from mergekit_loco.methods import get_method
 from mergekit_loco.run_layout import MERGES_KIND
-from mergekit_loco.train.model import check_pretrained
+from mergekit_loco.train.model import check_pretrained, check_seq_len
 from mergekit_loco.train.sources import BUILTIN_SOURCES
 
 MERGED = "merged"
@@ -73,6 +74,7 @@ def compare_merges(
     (:func:`mergekit_loco.io.atomic.check_results_folder`).
     """
     out = Path(out)
+    device = resolve_device(device)
     console = console or Console(quiet=True)
     seq_len = seq_len or DEFAULT_EVAL_SEQ_LEN
     if len(finetuned) != len(data):
@@ -93,7 +95,8 @@ def compare_merges(
     for option, path in [("--base", base)] + [("--finetuned", path) for path in finetuned]:
         if not Path(path).expanduser().exists():
             raise ValueError(f"{path}: no such checkpoint ({option})")
-        check_pretrained(path, option)  # evaluated later: a model that cannot load stops us now
+        # evaluated later: a model that cannot load, or hold --seq-len tokens, stops us now
+        check_seq_len(check_pretrained(path, option), seq_len, path)
     folder = evaluate.tokenizer_folder(base, tokenizer)
     halves = {}
     for domain in data:

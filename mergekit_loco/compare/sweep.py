@@ -35,6 +35,7 @@ from mergekit_loco.io.atomic import check_results_folder, claim_folder, write_at
 from mergekit_loco.train.checkpoint import latest_checkpoint
 from mergekit_loco.train.config import TrainConfig, preset_config
 from mergekit_loco.train.loop import train
+from mergekit_loco.train.model import check_seq_len, model_config
 from mergekit_loco.train.run_folder import run_inputs
 from mergekit_loco.train.sources import BUILTIN_SOURCES
 
@@ -259,8 +260,11 @@ def run_sweep(
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
     runs_dir = Path(out) / run_layout.SWEEP_RUNS
     cells = plan(sweep)
-    inputs = {path for cell in cells for path in
-              run_inputs(cell_config(sweep, cell, runs_dir / cell.name))}  # fmt: skip
+    configs = [cell_config(sweep, cell, runs_dir / cell.name) for cell in cells]
+    inputs = {path for config in configs for path in run_inputs(config)}
+    models = {(c.model.name, c.data.vocab_size, c.data.seq_len) for c in configs}
+    for name, vocab_size, seq_len in models:  # a cell would fail only once it has started
+        check_seq_len(model_config(name, vocab_size), seq_len, name)
     check_results_folder(
         Path(out), run_layout.SWEEP_KIND, inputs - set(BUILTIN_SOURCES), (run_layout.SWEEP_RUNS,)
     )

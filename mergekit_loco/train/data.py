@@ -73,7 +73,7 @@ class PreparedData:
 # -- token streams ------------------------------------------------------------------------------
 def prepare_data(
     spec: str = "stdlib",
-    tokenizer: str | Path | None = None,
+    tokenizer: str | Path | PreTrainedTokenizerBase | None = None,
     cache_dir: Path | None = None,
     max_train_tokens: int | None = None,
     val_tokens: int = 65536,
@@ -98,6 +98,9 @@ def prepare_data(
     if tokenizer is None:
         tokenizer_object = load_or_train_tokenizer(spec, vocab_size, cache_dir, documents)
         tokenizer_name = f"byte-level BPE {len(tokenizer_object)}"
+    elif isinstance(tokenizer, PreTrainedTokenizerBase):
+        tokenizer_object = tokenizer
+        tokenizer_name = tokenizer.name_or_path or f"byte-level BPE {len(tokenizer)}"
     else:
         tokenizer_object = load_tokenizer(tokenizer)
         tokenizer_name = str(tokenizer)

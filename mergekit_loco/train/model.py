@@ -190,12 +190,13 @@ def load_pretrained(
     return model.to(torch.float32)
 
 
-def check_pretrained(path: str | Path, what: str = "model") -> None:
-    """Refuse what :func:`load_pretrained` would refuse, reading headers and config only."""
+def check_pretrained(path: str | Path, what: str = "model") -> PretrainedConfig:
+    """Refuse what :func:`load_pretrained` would refuse, reading headers and config only; the
+    checked config."""
     from mergekit_loco.io import open_checkpoint
 
     with open_checkpoint(path) as reader:
-        checked_config(reader, path, what)
+        return checked_config(reader, path, what)[0]
 
 
 def checked_config(
@@ -255,6 +256,34 @@ def checked_fit(
     weight_bytes = sum(reader.entry(name).end - reader.entry(name).begin for name in present)
     _refuse_unsaved_bulk(skeleton, present | tied, weight_bytes, source)
     return tied
+
+
+def position_limit(config: PretrainedConfig) -> tuple[int, str] | None:
+    """``(positions, config key)``: the most tokens a sequence of ``config``'s model may hold
+    when it embeds positions with a learned table (GPT-2's ``n_positions``, OPT's
+    ``max_position_embeddings``); None for positions computed on the fly (rotary: Llama,
+    Qwen2, Mistral run past ``max_position_embeddings``)."""
+    key = next((k for k in ("n_positions", "max_position_embeddings")
+                if isinstance(getattr(config, k, None), int)), None)  # fmt: skip
+    if key is None:
+        return None
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    tokens = skeleton.get_input_embeddings()
+    tables = [m for m in skeleton.modules() if isinstance(m, torch.nn.Embedding)]
+    tables = [m for m in tables if m is not tokens]
+    return (getattr(config, key), key) if tables else None
+
+
+def check_seq_len(config: PretrainedConfig, seq_len: int, model: str | Path) -> None:
+    """Refuse a ``--seq-len`` longer than ``model``'s :func:`position_limit`: one line naming
+    the option and the limit (the forward pass would fail with ``index out of range``)."""
+    limit = position_limit(config)
+    if limit is not None and seq_len > limit[0]:
+        raise ValueError(
+            f"--seq-len {seq_len}: model {shown(model)} embeds at most {limit[0]} positions "
+            f"({limit[1]} in its config); pass --seq-len {limit[0]} or less"
+        )
 
 
 def checkpoint_vocab(reader: CheckpointReader, spec: str) -> int:

@@ -44,6 +44,7 @@ from mergekit_loco.train.guards import check_data_left
 from mergekit_loco.train.model import (
     build_model,
     check_pretrained,
+    check_seq_len,
     check_weights_fit,
     checkpoint_vocab,
     count_parameters,
@@ -54,8 +55,9 @@ from mergekit_loco.train.model import (
 from mergekit_loco.train.run_folder import MetricsLog, check_output, claim_output
 from mergekit_loco.train.tokenizer import (
     TOKENIZER_FILES,
-    load_or_train_tokenizer,
+    as_saved_beside,
     load_tokenizer,
+    tokenizer_for_model,
 )
 from mergekit_loco.train.workers import InnerOptimizer, Worker, WorkerGroup
 
@@ -213,8 +215,10 @@ def start_run(config: TrainConfig, group: WorkerGroup, started: float | None = N
     resume_from = check_output(out, config)
     check_init(config)
     torch.manual_seed(config.run.seed)
-    tokenizer_path, tokenizer = main_process_first(group, lambda: find_tokenizer(config))
+    tokenizer = main_process_first(group, lambda: find_tokenizer(config))
     model = load_model(config, tokenizer).to(group.device).train()
+    check_seq_len(model.config, config.data.seq_len, config.model.init or config.model.name)
+    tokenizer = as_saved_beside(tokenizer, model.config)  # what final/ will reload to
     if config.model.init is not None and model.config.vocab_size > len(tokenizer) and group.is_main:
         print(f"note: --init {config.model.init} has {model.config.vocab_size} vocabulary rows "
               f"and the tokenizer {len(tokenizer)}: the rows above are never used; if the "
@@ -225,7 +229,7 @@ def start_run(config: TrainConfig, group: WorkerGroup, started: float | None = N
     steps = rounds * config.inner.steps
     diloco = config.run.mode == "diloco"
     dp_optimizer = None if diloco else InnerOptimizer(model, config, steps)
-    data = main_process_first(group, lambda: load_data(config, tokenizer_path, rounds))
+    data = main_process_first(group, lambda: load_data(config, tokenizer, rounds))
     group.check_identical(token_checksum(data), "the tokens of --data")
     workers = [
         Worker(
@@ -318,17 +322,24 @@ def main_process_first(group: WorkerGroup, load):
     return result
 
 
-def find_tokenizer(config: TrainConfig) -> tuple[str | None, PreTrainedTokenizerBase]:
-    """``--tokenizer``, else the tokenizer beside the ``--init`` weights (:func:`init_folder`),
-    else a BPE trained on the data."""
+def find_tokenizer(config: TrainConfig) -> PreTrainedTokenizerBase:
+    """``--tokenizer``, else the tokenizer beside the ``--init`` weights (:func:`init_folder`,
+    named by its path), else a BPE trained on the data (unnamed)."""
     path = config.data.tokenizer
     if path is None and config.model.init is not None:
         folder = init_folder(config.model.init)
         if any((folder / name).is_file() for name in TOKENIZER_FILES):
             path = str(folder)
     if path is not None:
-        return path, load_tokenizer(path)
-    return None, load_or_train_tokenizer(config.data.source, config.data.vocab_size)
+        tokenizer = load_tokenizer(path)
+        tokenizer.name_or_path = str(path)
+        return tokenizer
+    folder = init_folder(config.model.init) if config.model.init is not None else None
+    spec = str(folder) if folder is not None and (folder / "config.json").is_file() else None
+    model = model_config(spec or config.model.name, config.data.vocab_size)
+    tokenizer = tokenizer_for_model(config.data.source, config.data.vocab_size, model)
+    tokenizer.name_or_path = ""
+    return tokenizer
 
 
 def init_folder(init: str | Path) -> Path:
@@ -383,13 +394,14 @@ def load_model(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> torch
     return model.to(torch.float32)
 
 
-def load_data(config: TrainConfig, tokenizer_path: str | None, rounds: int) -> PreparedData:
-    """Train tokens for ``rounds`` rounds (R equal shards), ``val_tokens`` held out."""
+def load_data(config: TrainConfig, tokenizer: PreTrainedTokenizerBase, rounds: int) -> PreparedData:
+    """Train tokens for ``rounds`` rounds (R equal shards), ``val_tokens`` held out, in
+    ``tokenizer``'s ids."""
     train_tokens = rounds * config.tokens_per_round()
     try:
         return prepare_data(
             config.data.source,
-            tokenizer=tokenizer_path,
+            tokenizer=tokenizer,
             max_train_tokens=train_tokens,
             val_tokens=config.data.val_tokens,
             vocab_size=config.data.vocab_size,

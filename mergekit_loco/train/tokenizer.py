@@ -8,11 +8,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import (
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
 
 from mergekit_loco.io.atomic import OutputExistsError, staged_output
 from mergekit_loco.io.hf import NO_REMOTE_CODE, check_hf_folder
@@ -30,9 +36,11 @@ def train_tokenizer(
     documents: Iterable[Iterable[str]],
     vocab_size: int = 4096,
     max_chars: int = TOKENIZER_TRAIN_CHARS,
+    split_like: PreTrainedTokenizerBase | None = None,
 ) -> PreTrainedTokenizerFast:
     """Byte-level BPE (GPT-2 pre-tokenization) trained on the first ``max_chars`` characters of
-    ``documents`` (each an iterable of text pieces, e.g. ``Document.chunks()``).
+    ``documents`` (each an iterable of text pieces, e.g. ``Document.chunks()``); with
+    ``split_like``, its normalizer, pre-tokenizer and decoder instead (a byte-level one).
 
     ``<|endoftext|>`` is the only special token and serves as EOS, BOS and padding.
     """
@@ -51,6 +59,11 @@ def train_tokenizer(
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
+    if split_like is not None:
+        template = split_like.backend_tokenizer
+        backend.normalizer = template.normalizer
+        backend.pre_tokenizer = template.pre_tokenizer
+        backend.decoder = template.decoder
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=[EOS_TOKEN],
@@ -72,18 +85,20 @@ def load_or_train_tokenizer(
     vocab_size: int = 4096,
     cache_dir: Path | None = None,
     documents: Sequence[Document] | None = None,
+    split_like: PreTrainedTokenizerBase | None = None,
 ) -> PreTrainedTokenizerFast:
     """The BPE tokenizer of ``data_spec``, trained once and then read from the cache.
 
-    Keyed by (vocab size, document names and stamps); stored as a Hugging Face
-    tokenizer folder ``<cache_dir>/tokenizers/bpe<vocab>-<key>``.
+    Keyed by (vocab size, document names and stamps, ``split_like``'s :func:`splitting`);
+    stored as a Hugging Face tokenizer folder ``<cache_dir>/tokenizers/bpe<vocab>-<key>``.
     """
     documents = load_documents(data_spec) if documents is None else documents
-    key = cache_key(CACHE_FORMAT, vocab_size, fingerprint(documents))
+    split = () if split_like is None else (splitting(split_like),)
+    key = cache_key(CACHE_FORMAT, vocab_size, fingerprint(documents), *split)
     folder = (cache_dir or cache_root()) / "tokenizers" / f"bpe{vocab_size}-{key[:16]}"
     if not (folder / "tokenizer.json").is_file():
         texts = (doc.chunks() for doc in hash_order(documents, "tokenizer"))
-        tokenizer = train_tokenizer(texts, vocab_size)
+        tokenizer = train_tokenizer(texts, vocab_size, split_like=split_like)
         try:
             with staged_output(folder, "tokenizer cache") as staging:
                 tokenizer.save_pretrained(staging)
@@ -102,6 +117,68 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
         return AutoTokenizer.from_pretrained(folder, **NO_REMOTE_CODE)
     except (OSError, ValueError) as error:
         raise ValueError(f"tokenizer {str(path)!r} cannot be loaded: {error}") from error
+
+
+def as_saved_beside(
+    tokenizer: PreTrainedTokenizerBase, model_config: PretrainedConfig
+) -> PreTrainedTokenizerBase:
+    """``tokenizer`` as ``AutoTokenizer.from_pretrained`` reads it back from a folder that holds
+    it beside ``model_config``'s config.json: the tokenizer a run trains with, so that its final/
+    folder (and any merge of it) reloads to exactly that tokenizer.
+
+    transformers picks the class by the config's model_type for some types, whatever
+    tokenizer_config.json names: a qwen2 folder loads as Qwen2Tokenizer, which rebuilds its own
+    normalizer and pre-tokenizer around the saved vocabulary and merges (a BPE trained with
+    GPT-2's pre-tokenizer then splits text differently, losslessly). A reload that loses text
+    (:data:`ROUND_TRIP_TEXT` reads back otherwise than through ``tokenizer``: a Metaspace
+    tokenizer rebuilt as Qwen2Tokenizer drops its spaces) is a ``ValueError``. The result keeps
+    ``tokenizer.name_or_path``.
+    """
+    with tempfile.TemporaryDirectory(prefix="mloco-tokenizer-") as folder:
+        model_config.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        reloaded = load_tokenizer(folder)
+    before, after = _round_trip(tokenizer), _round_trip(reloaded)
+    if after != before:
+        raise ValueError(
+            f"tokenizer {tokenizer.name_or_path or '(the BPE trained on --data)'}: a "
+            f"{model_config.model_type} model's folder reloads it as {type(reloaded).__name__}, "
+            f"which reads {ROUND_TRIP_TEXT!r} back as {after!r}; pass --tokenizer one made for "
+            f"{model_config.model_type}, or --model another model_type"
+        )
+    reloaded.name_or_path = tokenizer.name_or_path
+    return reloaded
+
+
+def tokenizer_for_model(
+    data_spec: str, vocab_size: int, model_config: PretrainedConfig
+) -> PreTrainedTokenizerBase:
+    """The BPE of ``data_spec`` a run of ``model_config``'s model trains with: trained with the
+    split (:func:`splitting`) that model's folder reloads it with (:func:`as_saved_beside`):
+    GPT-2's byte-level split for most model types, Qwen2's for qwen2, so that the merges are
+    learned on the pieces the run encodes."""
+    tokenizer = load_or_train_tokenizer(data_spec, vocab_size)
+    rebuilt = as_saved_beside(tokenizer, model_config)
+    if splitting(rebuilt) == splitting(tokenizer):
+        return tokenizer
+    return load_or_train_tokenizer(data_spec, vocab_size, split_like=rebuilt)
+
+
+def splitting(tokenizer: PreTrainedTokenizerBase) -> str:
+    """How ``tokenizer`` cuts text before its model: its backend's normalizer, pre-tokenizer
+    and decoder, as JSON."""
+    settings = json.loads(tokenizer.backend_tokenizer.to_str())
+    return json.dumps([settings.get(k) for k in ("normalizer", "pre_tokenizer", "decoder")])
+
+
+#: Text whose round trip (:func:`_round_trip`) shows a tokenizer dropping or changing characters.
+ROUND_TRIP_TEXT = "def f(x):\n    return  x\t+ 1\n\ncafé 中文 😀"
+
+
+def _round_trip(tokenizer: PreTrainedTokenizerBase, text: str = ROUND_TRIP_TEXT) -> str:
+    """``decode(encode(text))``, without special tokens or clean-up."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer.decode(ids, clean_up_tokenization_spaces=False)
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:

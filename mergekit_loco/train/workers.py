@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 
+from mergekit_loco.device import resolve_device
 from mergekit_loco.dist import guarded
 from mergekit_loco.train.config import TrainConfig
 from mergekit_loco.train.data import BatchStream
@@ -288,15 +289,6 @@ class TorchrunWorkers(WorkerGroup):
         """Destroy the process group if this object created it (never one it found)."""
         if self.created_process_group and dist.is_initialized():
             dist.destroy_process_group()
-
-
-def resolve_device(device: str) -> torch.device:
-    """``auto``: CUDA when available, else CPU."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for but torch sees no CUDA device")
-    return torch.device(device)
 
 
 def launched_by_torchrun() -> bool:
