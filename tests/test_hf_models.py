@@ -119,6 +119,18 @@ TOKENIZER_MODEL_TYPES = {
 
 
 @pytest.mark.parametrize("model_type", sorted(TOKENIZER_MODEL_TYPES))
+def moved_copies(folder: Path, tmp_path: Path) -> list[str]:
+    """Two "fine-tunes" of a model folder: copies whose weights are moved by +0.01 and -0.02."""
+    finetunes = []
+    for shift in (0.01, -0.02):
+        finetune = tmp_path / f"ft{shift}"
+        shutil.copytree(folder, finetune)
+        weights = load_file(folder / "model.safetensors")
+        save_file({name: w + shift for name, w in weights.items()}, finetune / "model.safetensors")
+        finetunes.append(str(finetune))
+    return finetunes
+
+
 def test_final_and_merged_tokenizers_reload_to_the_training_tokenizer(
     corpus, tmp_path, monkeypatch, capsys, model_type
 ):
@@ -144,13 +156,7 @@ def test_final_and_merged_tokenizers_reload_to_the_training_tokenizer(
     assert encoders, "the run encoded no data"
     expected = encoders[0]([TRICKY_TEXT])[0]
     final = out / "final"
-    finetunes = []
-    for shift in (0.01, -0.02):  # two "fine-tunes": final's weights moved
-        finetune = tmp_path / f"ft{shift}"
-        shutil.copytree(final, finetune)
-        weights = load_file(final / "model.safetensors")
-        save_file({name: w + shift for name, w in weights.items()}, finetune / "model.safetensors")
-        finetunes.append(str(finetune))
+    finetunes = moved_copies(final, tmp_path)
     merged = tmp_path / "merged"
     with pytest.raises(SystemExit) as exited:
         main(["merge", *finetunes, "--base", str(final), "--method", "mean", "-o", str(merged),
@@ -207,13 +213,7 @@ def test_seq_len_beyond_learned_positions_is_one_line_before_anything_is_written
                           "--tokens", "1024")  # fmt: skip
     assert code == 2 and err.startswith(f"error: --seq-len 65: model {final} embeds at most 64 ")
     assert err.count("\n") == 1, err
-    finetunes = []
-    for shift in (0.01, -0.02):
-        finetune = tmp_path / f"ft{shift}"
-        shutil.copytree(final, finetune)
-        weights = load_file(final / "model.safetensors")
-        save_file({name: w + shift for name, w in weights.items()}, finetune / "model.safetensors")
-        finetunes.append(str(finetune))
+    finetunes = moved_copies(final, tmp_path)
     other = tmp_path / "other"
     shutil.copytree(corpus, other)
     results = tmp_path / "merge-compare"
