@@ -118,7 +118,6 @@ TOKENIZER_MODEL_TYPES = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("model_type", sorted(TOKENIZER_MODEL_TYPES))
 def moved_copies(folder: Path, tmp_path: Path) -> list[str]:
     """Two "fine-tunes" of a model folder: copies whose weights are moved by +0.01 and -0.02."""
     finetunes = []
@@ -131,6 +130,7 @@ def moved_copies(folder: Path, tmp_path: Path) -> list[str]:
     return finetunes
 
 
+@pytest.mark.parametrize("model_type", sorted(TOKENIZER_MODEL_TYPES))
 def test_final_and_merged_tokenizers_reload_to_the_training_tokenizer(
     corpus, tmp_path, monkeypatch, capsys, model_type
 ):
