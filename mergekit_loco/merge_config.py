@@ -322,11 +322,6 @@ def load_merge_config(path: str | Path) -> ConfiguredMerge:
             base = None
     else:
         ours, params, scale = own_method(path, method, entries, shared)
-    if base is None and scale != 1:
-        raise MergeConfigError(
-            f"{path}: lambda {scale:g} needs base_model: without a base there is no task vector "
-            "(model - base) to scale, and the merge is the mean of the models"
-        )
     compute = parse_dtype(path, "dtype", config["dtype"]) if "dtype" in config else torch.float32
     out = config.get("out_dtype", config.get("dtype"))
     return ConfiguredMerge(

@@ -247,6 +247,9 @@ def test_a_method_given_as_a_preset_is_answered_with_the_presets_that_use_it(
         (["merge", "a", "b", "--method", "dar"], "(did you mean dare?)"),
         (["train", "--preset", "IsoLoCo"], "(did you mean isoloco?)"),
         (["train", "--preset", "diloco_sgd"], "(did you mean diloco-sgd?)"),
+        (["train", "--preset", "iso_c"],
+         "('iso_c' is close to the merge method iso-c; the presets that aggregate with it: "
+         "isoloco, isoloco-ns, isoc-sgd)"),
         (["compare", "--aggregators", "diloco,isoloco_ns", "-o", "out"],
          "(did you mean isoloco-ns?)"),
     ],

@@ -324,3 +324,16 @@ def test_report_never_writes_into_another_commands_output(
         assert run_cli(capsys, "report", folders["merges"], second, "-o",
                        tmp_path / "merge-report", "--no-figures")[0] == 0  # fmt: skip
         assert run_cli(capsys, "report", folders["merges"], "--no-figures")[0] == 0
+
+
+def test_a_report_folder_of_the_previous_version_is_rendered_again(capsys, tmp_path):
+    """Reports once marked their -o folder as a sweep's ("compare sweep"); such a folder (no
+    runs/ inside) is still rendered into, and marked a sweep report from then on."""
+    sweep = sweep_folder(tmp_path / "sweep")
+    old = tmp_path / "old-report"
+    assert run_cli(capsys, "report", sweep, "-o", old, "--no-figures")[0] == 0
+    (old / OWNER_MARKER).write_text(json.dumps({"written_by": "mergekit_loco",
+                                                "kind": "compare sweep"}))  # fmt: skip
+    code, err, _ = run_cli(capsys, "report", sweep, "-o", old, "--no-figures")
+    assert code == 0, err
+    assert json.loads((old / OWNER_MARKER).read_text())["kind"] == "sweep report"

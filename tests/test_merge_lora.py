@@ -265,6 +265,24 @@ def test_adapter_without_base_and_foreign_modules_are_errors(adapters, tmp_path,
     assert_one_line_error(err, str(folders[0]), "does not give the base's shape")
 
 
+def test_a_yaml_lambda_without_base_model_scales_adapters(adapters, tmp_path, capsys):
+    """Adapters are deltas: a ``--config`` YAML with ``lambda`` and no ``base_model`` merged with
+    ``--lora-output`` writes ``lambda * sum_t delta_t`` (as ``--scale`` does on the command
+    line); only a merge into full weights needs a base to scale."""
+    base, folders = adapters
+    config = tmp_path / "adapters.yml"
+    models = "".join(f"  - model: {folder}\n" for folder in folders)
+    config.write_text(f"merge_method: ta\nmodels:\n{models}parameters: {{lambda: 0.5}}\n")
+    out = tmp_path / "scaled-adapter"
+    code, _, err = run_main(capsys, "merge", "--config", config, "--lora-output", "-o", out)
+    assert code == 0, err
+    base_state, deltas = float64_inputs(base, folders)
+    written = dense_deltas(out, base_state)
+    for name in base_state:
+        expected = 0.5 * sum(delta[name] for delta in deltas)
+        np.testing.assert_allclose(written[name], expected, rtol=0, atol=1e-7)
+
+
 @pytest.mark.parametrize("method", ["ta", "mean"])
 def test_lora_output_is_exactly_the_merged_delta(adapters, tmp_path, capsys, method):
     base, folders = adapters

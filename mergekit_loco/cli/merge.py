@@ -112,9 +112,10 @@ def given_params(options: dict) -> dict:
     return {key: value for key, value in options.items() if key not in MERGE_KEYS}
 
 
-def from_config(config: Path, models, base, method, options: dict):
+def from_config(config: Path, models, base, method, options: dict, lora_output: bool = False):
     """(models, base, method, merge options) from a ``--config`` YAML file; the file decides
-    what it describes, so MODEL, --base, --method and merge options beside it are errors."""
+    what it describes, so MODEL, --base, --method and merge options beside it are errors. A
+    ``lambda`` other than 1 needs ``base_model``, except for LoRA adapters (already deltas)."""
     from mergekit_loco.merge_config import load_merge_config
 
     clashes = [
@@ -133,6 +134,11 @@ def from_config(config: Path, models, base, method, options: dict):
     if clashes:
         raise ValueError(f"--config {config}: {clashes[0]} cannot be given with a config file")
     configured = load_merge_config(config)
+    if configured.base is None and configured.scale != 1 and not lora_output:
+        raise ValueError(
+            f"{config}: lambda {configured.scale:g} needs base_model: without a base there is no "
+            "task vector (model - base) to scale, and the merge is the mean of the models"
+        )
     options = {
         "scale": configured.scale,
         "dtype": configured.dtype,
@@ -172,7 +178,10 @@ def merge(
         typer.Option(help="The pre-trained checkpoint the models were fine-tuned from."),
     ] = None,
     scale: Annotated[
-        float, typer.Option(help="theta = base + scale * merged delta (needs --base).")
+        float,
+        typer.Option(
+            help="theta = base + scale * merged delta (needs --base, except with --lora-output)."
+        ),
     ] = 1.0,
     density: Annotated[
         float | None, typer.Option(help="ties/dare/breadcrumbs: fraction kept, in (0, 1].")
@@ -198,7 +207,8 @@ def merge(
     dtype: Annotated[
         str | None,
         typer.Option(
-            help="Output dtype: float32, bfloat16, float16 or float64 (default: the base's)."
+            help="Output dtype: float32, bfloat16, float16 or float64 (default: the base's; "
+            "without a base, the models' common dtype; with --lora-output, float32)."
         ),
     ] = None,
     compute_dtype: Annotated[
@@ -270,7 +280,9 @@ def merge(
         **given,
     }
     if config is not None:
-        models, base, method, options = from_config(config, models, base, method, options)
+        models, base, method, options = from_config(
+            config, models, base, method, options, lora_output
+        )
     if method not in METHODS:  # before a default -o is announced
         raise unknown_method(method)
     if output is None:

@@ -20,7 +20,13 @@ from mergekit_loco import run_layout
 from mergekit_loco.compare.runs import BASELINE, RESULTS_CSV, RUN_COLUMNS, Run, load_runs
 from mergekit_loco.compare.stats import Spread, format_interval, ordering, paired_interval, spread
 from mergekit_loco.compare.tables import csv_text, format_loss, format_number, json_value
-from mergekit_loco.io.atomic import check_free_or_ours, claim_folder, write_atomically
+from mergekit_loco.io.atomic import (
+    check_free_or_ours,
+    claim_folder,
+    mark_output,
+    marked_kind,
+    write_atomically,
+)
 
 #: an outer setting: (outer lr, outer momentum); (None, None) for the baseline.
 Setting = tuple[float | None, float | None]
@@ -358,7 +364,12 @@ def report_sweep(
     into_sweep = out.resolve() == results.resolve()
     reads = (run_layout.SWEEP_RUNS,) if into_sweep else ()
     kind = run_layout.SWEEP_KIND if into_sweep else run_layout.SWEEP_REPORT_KIND
-    check_free_or_ours(out, "the report folder", (kind,), reads=reads)
+    kinds = (kind,)
+    if not into_sweep and not (out / run_layout.SWEEP_RUNS).exists():
+        kinds += (run_layout.SWEEP_KIND,)  # a report written before reports had their own kind
+    check_free_or_ours(out, "the report folder", kinds, reads=reads)
+    if marked_kind(out) not in (None, kind):
+        mark_output(out, kind)
     runs = load_runs(results)
     if not runs:
         raise FileNotFoundError(f"{results}: no runs yet")

@@ -492,10 +492,12 @@ def check_preset(preset: str) -> None:
     )
 
     method = preset if preset in METHODS else mergekit_equivalent(preset)
-    if method is None:
-        close = closest_name(preset, list(PRESETS))
-        raise ValueError(message + (f" (did you mean {close}?)" if close else ""))
     what = "a merge method" if method == preset else f"mergekit's name of the merge method {method}"
+    if method is None:  # a misspelling: of a preset, or of a method (iso_c -> iso-c)
+        close = closest_name(preset, [*PRESETS, *METHODS])
+        if close is None or close in PRESETS:
+            raise ValueError(message + (f" (did you mean {close}?)" if close else ""))
+        method, what = close, f"close to the merge method {close}"
     using = presets_using(method)
     advice = (
         f"the presets that aggregate with it: {', '.join(using)}"

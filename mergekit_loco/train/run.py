@@ -151,7 +151,9 @@ class Run:
             raise ValueError(
                 f"checkpoint {path}: the run trained on other data than --data "
                 f"{self.config.data.source!r} holds now (its documents, their sizes or times, or "
-                "the tokenizer changed); resume with the data it started on, or start over"
+                "the tokenizer changed: a qwen2-type run begun before mloco trained with the "
+                "tokenizer its final/ reloads to, 2026-12-02, used another); resume with the "
+                "data it started on, or start over"
             )
         with reading(path / SHARED):  # a damaged file's error names it (never a bare KeyError)
             if self.driver is not None:
