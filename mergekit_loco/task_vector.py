@@ -6,6 +6,7 @@ Both are the same object here, and every merge method consumes a list of them.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -21,8 +22,9 @@ class TaskVector(Mapping[str, torch.Tensor]):
     """Ordered ``name -> delta`` mapping with vector-space arithmetic.
 
     ``TaskVector(mapping)`` wraps any name -> tensor mapping (no copy). Arithmetic returns new
-    TaskVectors: ``a + b``, ``a - b``, ``c * a``, ``-a``. Keys must match exactly. Raises
-    TypeError, naming the key, for a value that is not a tensor.
+    TaskVectors: ``a + b``, ``a - b``, ``c * a``, ``-a`` (``c`` a real number). Keys and each
+    tensor's shape must match exactly (KeyError / ValueError naming the tensor; nothing is
+    broadcast). Raises TypeError, naming the key, for a value that is not a tensor.
     """
 
     def __init__(self, deltas: Mapping[str, torch.Tensor]):
@@ -99,15 +101,22 @@ class TaskVector(Mapping[str, torch.Tensor]):
             diff = sorted(set(self) ^ set(other))
             raise KeyError(f"task vectors hold different tensors, e.g. {diff[0]!r}")
         for name, delta in self._deltas.items():
+            check_same_shape(name, delta, other[name], "the other task vector's")
             yield name, delta, other[name]
 
     def __add__(self, other: TaskVector) -> TaskVector:
+        if not isinstance(other, TaskVector):
+            return NotImplemented
         return TaskVector({name: a + b for name, a, b in self._zip(other)})
 
     def __sub__(self, other: TaskVector) -> TaskVector:
+        if not isinstance(other, TaskVector):
+            return NotImplemented
         return TaskVector({name: a - b for name, a, b in self._zip(other)})
 
     def __mul__(self, scalar: float) -> TaskVector:
+        if not isinstance(scalar, numbers.Real) or isinstance(scalar, bool):
+            return NotImplemented
         return TaskVector({name: delta * scalar for name, delta in self._deltas.items()})
 
     __rmul__ = __mul__
@@ -122,16 +131,32 @@ class TaskVector(Mapping[str, torch.Tensor]):
     def apply_to(
         self, base: Mapping[str, torch.Tensor], scale: float = 1.0
     ) -> dict[str, torch.Tensor]:
-        """``theta = base + scale * tau`` in float32 (or the delta's dtype if wider), returned in
-        the base's dtype. Base tensors without a delta (integer buffers) are copied unchanged."""
+        """``theta = base + scale * tau`` in float32 at least (float64 if the base or the delta is),
+        returned in the base's dtype. Base tensors without a delta (integer buffers) are copied
+        unchanged. KeyError for a delta whose name the base lacks, ValueError for a delta of
+        another shape than its base tensor (both naming the tensor)."""
+        unknown = [name for name in self._deltas if name not in base]
+        if unknown:
+            raise KeyError(f"apply_to: the base has no tensor {unknown[0]!r} (a delta names it)")
         merged = {}
         for name, base_tensor in base.items():
             if name not in self._deltas:
                 merged[name] = base_tensor.clone()
                 continue
             delta = self._deltas[name]
-            compute = torch.promote_types(delta.dtype, torch.float32)
+            check_same_shape(name, delta, base_tensor, "the base's")
+            compute = torch.promote_types(
+                torch.promote_types(delta.dtype, base_tensor.dtype), torch.float32
+            )
             merged[name] = (base_tensor.to(compute) + scale * delta.to(compute)).to(
                 base_tensor.dtype
             )
         return merged
+
+
+def check_same_shape(name: str, delta: torch.Tensor, other: torch.Tensor, whose: str) -> None:
+    """ValueError naming tensor ``name`` unless ``delta`` and ``other`` have one shape."""
+    if delta.shape != other.shape:
+        raise ValueError(
+            f"tensor {name!r}: shape {tuple(delta.shape)} differs from {whose} {tuple(other.shape)}"
+        )

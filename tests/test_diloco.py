@@ -320,6 +320,17 @@ def test_sync_at_a_round_boundary_does_nothing_and_early_sync_flushes_the_round(
     torch.testing.assert_close(merged["weight"], worker - after_round, rtol=0, atol=0)
 
 
+def test_sync_before_the_driver_was_entered_is_an_error():
+    """Outside ``with driver:`` no inner step is counted; a sync there took no outer step and
+    left the model on the worker's parameters, silently. It raises, and changes nothing."""
+    model, inner, driver = tiny_driver()
+    inner_steps(model, inner, 2)
+    moved = model.weight.detach().clone()
+    with pytest.raises(RuntimeError, match="before the driver was entered"):
+        driver.sync()
+    assert driver.outer_steps == 0 and torch.equal(model.weight, moved)
+
+
 def test_early_sync_before_the_last_simulated_worker_changes_nothing():
     model = Tiny()
     inners = [torch.optim.SGD(model.parameters(), lr=LR_INNER) for _ in range(2)]

@@ -320,6 +320,33 @@ def test_sums_of_half_precision_deltas_are_rounded_once(name, params, shape, dty
     assert torch.equal(merged, torch.full(shape, expected.item(), dtype=torch.float64).to(dtype))
 
 
+@pytest.mark.parametrize("name", ["mean", "ta", "ties", "tsv", "iso-c", "iso-cts"])
+def test_task_vectors_of_mixed_dtypes_merge_in_their_promoted_dtype(name):
+    """A float32 and a float64 task vector, in either order: the float64 merge of the two
+    (before: the first one's dtype, so the two orders gave different results)."""
+    generator = torch.Generator().manual_seed(3)
+    single = torch.randn(6, 4, generator=generator).float()
+    double = torch.randn(6, 4, generator=generator, dtype=torch.float64)
+    method = get_method(name)
+    for pair in ([single, double], [double, single]):
+        merged = method.merge([TaskVector({"w": delta}) for delta in pair])["w"]
+        widened = method.merge([TaskVector({"w": delta.double()}) for delta in pair])["w"]
+        assert merged.dtype == torch.float64 and torch.equal(merged, widened)
+    one_way, other_way = (method.merge([TaskVector({"w": d}) for d in pair])["w"]
+                          for pair in ([single, double], [double, single]))  # fmt: skip
+    torch.testing.assert_close(one_way, other_way, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["mean", "tsv", "iso-c", "dare"])
+def test_merge_refuses_integer_deltas_and_a_lone_task_vector(name):
+    method = get_method(name)
+    ints = [TaskVector({"w": torch.ones(3, 2, dtype=torch.int64)}) for _ in range(2)]
+    with pytest.raises(ValueError, match=r"tensor 'w' of task vector 1 is torch.int64"):
+        method.merge(ints)
+    with pytest.raises(TypeError, match=r"merge takes a list of TaskVectors"):
+        method.merge(TaskVector({"w": torch.ones(3, 2)}))
+
+
 def test_dare_aggregator_seed_wraps_at_the_top_of_its_range():
     """The largest seed, 2**63 - 1, as a DiLoCo aggregator: round r draws the masks of seed
     ``(2**63 - 1 + r) mod 2**63`` (before: round 1 raised 'seed must be in [0, 2**63)')."""

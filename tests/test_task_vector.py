@@ -47,6 +47,34 @@ def test_arithmetic_rejects_different_tensor_names():
         _ = vector(w=[1.0]) + vector(w=[1.0], v=[2.0])
 
 
+def test_arithmetic_never_broadcasts_and_takes_only_task_vectors_and_numbers():
+    a = TaskVector({"w": torch.ones(2, 3)})
+    for other in (TaskVector({"w": torch.ones(3)}), TaskVector({"w": torch.ones(1, 3)})):
+        with pytest.raises(ValueError, match=r"tensor 'w': shape \(2, 3\) differs"):
+            a + other
+        with pytest.raises(ValueError, match="tensor 'w'"):
+            a - other
+    for bad in (lambda: a + 1, lambda: a - {"w": torch.ones(2, 3)}, lambda: a * "x",
+                lambda: a * torch.ones(2, 3), lambda: True * a):  # fmt: skip
+        with pytest.raises(TypeError):  # Python's own "unsupported operand" (before: a broadcast)
+            bad()
+    assert torch.equal((2.5 * a)["w"], torch.full((2, 3), 2.5))
+
+
+def test_apply_to_refuses_unknown_names_and_other_shapes_and_keeps_float64():
+    """A delta the base cannot take is an error naming it (before: a (2, 3) delta grew a
+    (1, 3) base, and a delta under another name was dropped, returning the base unchanged);
+    a float64 base keeps its precision: 1 + 1e-12 + 0 stays 1 + 1e-12."""
+    base = {"w": torch.zeros(1, 3), "n": torch.tensor([1.0 + 1e-12], dtype=torch.float64)}
+    with pytest.raises(ValueError, match=r"tensor 'w': shape \(2, 3\) differs from the base's"):
+        TaskVector({"w": torch.ones(2, 3)}).apply_to(base)
+    with pytest.raises(KeyError, match="the base has no tensor 'model.w'"):
+        TaskVector({"model.w": torch.ones(1, 3)}).apply_to(base)
+    merged = TaskVector({"n": torch.zeros(1), "w": torch.ones(1, 3)}).apply_to(base, scale=0.5)
+    assert merged["n"].dtype == torch.float64 and merged["n"].item() == 1.0 + 1e-12
+    assert torch.equal(merged["w"], torch.full((1, 3), 0.5))
+
+
 def test_to_casts_every_delta():
     tv = vector(w=[1.0, 2.0], b=[3.0]).to(torch.float32)
     assert {delta.dtype for delta in tv.values()} == {torch.float32}

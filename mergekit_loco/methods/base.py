@@ -92,9 +92,18 @@ class MergeMethod:
         return self
 
     def merge(self, task_vectors: Sequence[TaskVector]) -> TaskVector:
-        """Merge whole task vectors, one tensor name at a time. Before any compute, raises
-        KeyError for a name not in every task vector and ValueError, naming the tensor, for
-        deltas of different shapes."""
+        """Merge whole task vectors, one tensor name at a time; deltas of one name in different
+        floating dtypes are merged in their promoted dtype (whatever the order). Before any
+        compute, raises TypeError for anything but a sequence of mappings, KeyError for a name
+        not in every task vector, and ValueError, naming the tensor, for deltas of different
+        shapes or a delta that is not floating (integer tensors are never merged)."""
+        if isinstance(task_vectors, Mapping) or not all(
+            isinstance(tv, Mapping) for tv in task_vectors
+        ):
+            raise TypeError(
+                f"{self.name}: merge takes a list of TaskVectors (merge([tau_1, tau_2, ...])), "
+                f"not {type(task_vectors).__name__}"
+            )
         if not task_vectors:
             raise ValueError(f"{self.name}: no task vectors to merge")
         self.check_tasks(len(task_vectors))
@@ -109,9 +118,18 @@ class MergeMethod:
                         f"{self.name}: tensor {name!r} is {list(other[name].shape)} in task "
                         f"vector {index} but {list(delta.shape)} in task vector 1"
                     )
+        for index, tv in enumerate(task_vectors, start=1):
+            for name, delta in tv.items():
+                if not delta.is_floating_point():
+                    raise ValueError(
+                        f"{self.name}: tensor {name!r} of task vector {index} is {delta.dtype}: "
+                        "only floating deltas are merged (integer tensors are copied from a "
+                        "base, as merge_checkpoints does)"
+                    )
         return TaskVector(
-            {name: self.merge_tensor(name, [tv[name] for tv in task_vectors]) for name in first}
-        )
+            {name: self.merge_tensor(name, in_one_dtype([tv[name] for tv in task_vectors]))
+             for name in first}
+        )  # fmt: skip
 
     @classmethod
     def parameter_names(cls) -> list[str]:
@@ -168,6 +186,14 @@ class OfWorkerMean(MergeMethod):
             return run_on_scaled
 
         return [Plan(p.name, scaled_run(p.run), p.cost) for p in self.method.plans()]
+
+
+def in_one_dtype(deltas: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``deltas`` cast to their promoted dtype (float32 and float64 deltas: all float64)."""
+    dtype = deltas[0].dtype
+    for delta in deltas[1:]:
+        dtype = torch.promote_types(dtype, delta.dtype)
+    return [delta.to(dtype) for delta in deltas]
 
 
 def sum_of(deltas: Iterable[torch.Tensor]) -> torch.Tensor:

@@ -149,7 +149,8 @@ def apply_pseudo_gradient(
 
 class DiLoCo:
     """The DiLoCo driver: hooks ``inner_optimizer.step`` and runs the outer step every
-    ``sync_every`` inner steps (a context manager; :meth:`sync` by hand also works).
+    ``sync_every`` inner steps. A context manager: inner steps count only inside
+    ``with driver:``; :meth:`sync` ends a round early.
 
     ``inner_optimizer`` may be a sequence of V optimizers over the same ``model``: V simulated
     workers on this rank that take turns of ``sync_every`` steps each, in order; after each turn
@@ -313,7 +314,13 @@ class DiLoCo:
         """End the current turn now and take the outer step (e.g. to flush a short last
         round); returns the merged delta. Does nothing and returns None when no inner step was
         taken since the last outer step. With V simulated workers it is the last worker's turn
-        that ends early: before it, RuntimeError, and nothing changes."""
+        that ends early: before it, RuntimeError, and nothing changes. RuntimeError too before
+        the driver was ever entered (``with driver:``), when no inner step can have counted."""
+        if not self._started and not self._hooks:
+            raise RuntimeError(
+                "sync() before the driver was entered: take the inner steps inside `with "
+                "driver:` (its optimizer hooks count them), then sync"
+            )
         if self.local_steps == 0 and not self.pending:
             return None
         if len(self.pending) + 1 < len(self.inner_optimizers):
