@@ -351,6 +351,11 @@ def merge_checkpoints(
     """
     started = time.perf_counter()
     merge_method = resolve_method(method, method_params)
+    if isinstance(models, str | Path):
+        raise TypeError(f"models: a list of checkpoints ([{str(models)!r}, ...]), not one path")
+    for name, given in (("dtype", dtype), ("compute_dtype", compute_dtype)):
+        if given is not None and not isinstance(given, torch.dtype):
+            raise TypeError(f"{name}: a torch.dtype (torch.bfloat16), not {given!r}")
     model_paths = [Path(model) for model in models]
     if not model_paths:
         raise ValueError("no models to merge: give at least one MODEL")

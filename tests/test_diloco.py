@@ -320,6 +320,25 @@ def test_sync_at_a_round_boundary_does_nothing_and_early_sync_flushes_the_round(
     torch.testing.assert_close(merged["weight"], worker - after_round, rtol=0, atol=0)
 
 
+def test_arguments_of_the_wrong_kind_are_type_errors_naming_them():
+    """Before: AttributeErrors from deep inside (``'str' object has no attribute ...``), or for
+    ``exclude="bias"`` "'b' is not a parameter" (the string's letters)."""
+    model = Tiny()
+    inner = torch.optim.SGD(model.parameters(), lr=LR_INNER)
+    outer = torch.optim.SGD(model.parameters(), lr=0.7)
+    for arguments, message in [
+        (("m", inner, outer), "model: a torch.nn.Module, not str"),
+        ((model, inner, "sgd"), "outer_optimizer: a torch.optim.Optimizer"),
+    ]:
+        with pytest.raises(TypeError, match=message):
+            ml.DiLoCo(*arguments)
+    with pytest.raises(TypeError, match=r"exclude: a list of parameter names \(\['bias'\]\)"):
+        ml.DiLoCo(model, inner, outer, exclude="bias")
+    step = ml.OuterOptimizer(dict(model.named_parameters())).step
+    with pytest.raises(TypeError, match=r"step takes a list of worker deltas"):
+        step(TaskVector({name: torch.zeros_like(p) for name, p in model.named_parameters()}))
+
+
 def test_sync_before_the_driver_was_entered_is_an_error():
     """Outside ``with driver:`` no inner step is counted; a sync there took no outer step and
     left the model on the worker's parameters, silently. It raises, and changes nothing."""

@@ -71,6 +71,19 @@ def test_dtype_option_overrides_base_dtype(bf16_files, tmp_path):
         torch.testing.assert_close(merged[name].double(), expected, rtol=0, atol=1e-6)
 
 
+def test_arguments_of_the_wrong_kind_are_type_errors_naming_them(bf16_files, tmp_path):
+    """One path for the list of models (before: its characters were read as paths, "/: given
+    twice"), and a dtype's name for a torch.dtype (before: an AttributeError)."""
+    base, models = bf16_files
+    out = tmp_path / "m.safetensors"
+    with pytest.raises(TypeError, match=r"models: a list of checkpoints"):
+        merge_checkpoints(str(models[0]), base, "ta", out, progress=False)
+    for option in ("dtype", "compute_dtype"):
+        with pytest.raises(TypeError, match=rf"{option}: a torch.dtype \(torch.bfloat16\)"):
+            merge_checkpoints(models[:2], base, "ta", out, progress=False, **{option: "bfloat16"})
+    assert not out.exists()
+
+
 def test_mean_without_base_is_mean_of_models(sharded, tmp_path):
     _, models = sharded
     out = tmp_path / "soup"

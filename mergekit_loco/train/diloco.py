@@ -185,6 +185,15 @@ class DiLoCo:
         backup_device: torch.device | str | None = None,
         exclude: Iterable[str] = (),
     ):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model: a torch.nn.Module, not {type(model).__name__}")
+        if not isinstance(outer_optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                "outer_optimizer: a torch.optim.Optimizer over the model's parameters (e.g. "
+                f"SGD(lr=0.7, momentum=0.9, nesterov=True)), not {type(outer_optimizer).__name__}"
+            )
+        if isinstance(exclude, str):
+            raise TypeError(f"exclude: a list of parameter names ([{exclude!r}]), not one string")
         check_sync_every(sync_every)
         check_compression(compression)
         named = dict(model.named_parameters())

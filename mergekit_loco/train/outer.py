@@ -101,7 +101,12 @@ class OuterOptimizer:
     def step(self, deltas: Sequence[TaskVector]) -> TaskVector:
         """Aggregate ``deltas`` and update ``params`` in place; returns the merged delta.
         Raises ValueError naming the tensor, before any compute, for a delta of another shape
-        than its parameter."""
+        than its parameter, and TypeError for anything but a list of task vectors."""
+        if isinstance(deltas, Mapping) or not all(isinstance(d, Mapping) for d in deltas):
+            raise TypeError(
+                "step takes a list of worker deltas (step([tau_1, tau_2, ...])), not "
+                f"{type(deltas).__name__}"
+            )
         for index, delta in enumerate(deltas, start=1):
             for name, tensor in delta.items():
                 param = self.params.get(name)
