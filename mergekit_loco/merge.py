@@ -8,7 +8,6 @@ the method allocates for that tensor.
 
 from __future__ import annotations
 
-import functools
 import math
 import sys
 import time
@@ -34,7 +33,7 @@ from mergekit_loco.io.prefetch import Prefetcher
 from mergekit_loco.low_rank import LowRankDelta, from_factors, merge_from_factors
 from mergekit_loco.merge_checks import check_compatible, check_distinct, config_source
 from mergekit_loco.methods import MergeMethod, get_method
-from mergekit_loco.methods.base import sum_of
+from mergekit_loco.methods.base import promoted_dtype, sum_of
 from mergekit_loco.task_vector import is_mergeable
 
 
@@ -142,16 +141,22 @@ def read_inputs(
 
 
 def common_dtype(name: str, tensors: Sequence[torch.Tensor]) -> torch.dtype:
-    """The dtype all of ``tensors`` promote to (float32 for bfloat16 with float16), whatever
-    their order; a ``ValueError`` naming ``name`` where torch has none (8-bit floats)."""
-    dtypes = sorted({tensor.dtype for tensor in tensors}, key=str)
+    """:func:`~mergekit_loco.methods.base.promoted_dtype` of ``tensors``; a ``ValueError``
+    naming ``name`` where torch has none (8-bit floats)."""
     try:
-        return functools.reduce(torch.promote_types, dtypes)
+        return promoted_dtype(tensors)
     except RuntimeError:
+        dtypes = " and ".join(sorted({str(tensor.dtype) for tensor in tensors}))
         raise ValueError(
-            f"tensor {name!r} is {' and '.join(map(str, dtypes))} in different models, which "
-            "have no common dtype; give --base (its dtype is the output's)"
+            f"tensor {name!r} is {dtypes} in different models, which have no common dtype; give "
+            "--base (its dtype is the output's)"
         ) from None
+
+
+def summing_dtype(compute_dtype: torch.dtype, base_free: bool) -> torch.dtype:
+    """``compute_dtype``, or float64 for a merge without a base: exact sums of float32 (and
+    narrower) models, so that no model order rounds differently."""
+    return torch.float64 if base_free else compute_dtype
 
 
 def merge_one(
@@ -169,9 +174,9 @@ def merge_one(
     soon as its delta exists).
 
     ``base_free``: the first input is only the stand-in model of a merge without a base (its
-    own entry is None); the base is then zero, ``theta = method(models)``, summed in float64
-    and written in the dtype the models' dtypes promote to, so neither the models' order nor
-    which of them stands in changes a bit of the result.
+    own entry is None); the base is then zero, ``theta = method(models)``, written in the dtype
+    the models' dtypes promote to (the caller sums in float64: :func:`summing_dtype`), so
+    neither the models' order nor which of them stands in changes a bit of the result.
 
     Rows the models appended beyond the base's (added tokens) are not merged: the result's
     extra rows are the mean of those rows over the models that have them.
@@ -181,7 +186,6 @@ def merge_one(
         inputs[:] = [base_tensor if item is None else item for item in inputs]
         dtype = common_dtype(name, [item for item in inputs if isinstance(item, torch.Tensor)])
         base_tensor = torch.zeros(base_tensor.shape, dtype=dtype)
-        compute_dtype = torch.float64  # exact sums of float32 (and narrower) models
     out_dtype = out_dtype or base_tensor.dtype
     compute_dtype = at_least(compute_dtype, base_tensor.dtype)
     # Deltas are formed against the base in the compute dtype: mixed-dtype kernels are slow.
@@ -400,8 +404,8 @@ def merge_checkpoints(
                 inputs=[*model_paths, base],
             )
         )
-        summed_in = compute_dtype if base is not None else torch.float64  # see merge_one
-        stream = prefetched_inputs(base_reader, readers, summed_in, dtype)
+        compute_dtype = summing_dtype(compute_dtype, base is None)
+        stream = prefetched_inputs(base_reader, readers, compute_dtype, dtype)
         bar = stack.enter_context(merge_progress(progress))
         task = bar.add_task("merge", total=len(base_reader), tensor="")
         for name, inputs in stream:

@@ -60,11 +60,7 @@ class TaskVector(Mapping[str, torch.Tensor]):
             if not is_mergeable(base_tensor):
                 continue
             tuned = finetuned[name]
-            if tuned.shape != base_tensor.shape:
-                raise ValueError(
-                    f"tensor {name!r}: shape {tuple(tuned.shape)} differs from the base's "
-                    f"{tuple(base_tensor.shape)}"
-                )
+            check_same_shape(name, tuned, base_tensor, "the base's")
             deltas[name] = tuned.to(dtype) - base_tensor.to(dtype)
         return cls(deltas)
 

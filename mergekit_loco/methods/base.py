@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import ClassVar
@@ -188,11 +189,15 @@ class OfWorkerMean(MergeMethod):
         return [Plan(p.name, scaled_run(p.run), p.cost) for p in self.method.plans()]
 
 
+def promoted_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype:
+    """The dtype all of ``tensors`` promote to (float32 for bfloat16 with float16), whatever
+    their order; RuntimeError where torch has none (8-bit floats)."""
+    return functools.reduce(torch.promote_types, sorted({t.dtype for t in tensors}, key=str))
+
+
 def in_one_dtype(deltas: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``deltas`` cast to their promoted dtype (float32 and float64 deltas: all float64)."""
-    dtype = deltas[0].dtype
-    for delta in deltas[1:]:
-        dtype = torch.promote_types(dtype, delta.dtype)
+    """``deltas`` cast to their :func:`promoted_dtype` (float32 and float64 deltas: float64)."""
+    dtype = promoted_dtype(deltas)
     return [delta.to(dtype) for delta in deltas]
 
 
