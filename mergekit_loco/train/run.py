@@ -328,15 +328,14 @@ def find_tokenizer(config: TrainConfig) -> PreTrainedTokenizerBase:
     """``--tokenizer``, else the tokenizer beside the ``--init`` weights (:func:`init_folder`,
     named by its path), else a BPE trained on the data (unnamed)."""
     path = config.data.tokenizer
-    if path is None and config.model.init is not None:
-        folder = init_folder(config.model.init)
+    folder = init_folder(config.model.init) if config.model.init is not None else None
+    if path is None and folder is not None:
         if any((folder / name).is_file() for name in TOKENIZER_FILES):
             path = str(folder)
     if path is not None:
         tokenizer = load_tokenizer(path)
         tokenizer.name_or_path = str(path)
         return tokenizer
-    folder = init_folder(config.model.init) if config.model.init is not None else None
     spec = str(folder) if folder is not None and (folder / "config.json").is_file() else None
     model = model_config(spec or config.model.name, config.data.vocab_size)
     tokenizer = tokenizer_for_model(config.data.source, config.data.vocab_size, model)
