@@ -234,6 +234,32 @@ def test_muon_inner_optimizer_trains(corpus, tmp_path):
     assert result.finished and 0 < result.val_loss < 10
 
 
+def test_inner_adamw_steps_the_bits_of_torchs_per_tensor_loop(corpus, tmp_path):
+    """The foreach path keeps the published runs' numbers: 5 steps equal torch's default CPU
+    AdamW (foreach off) bit for bit."""
+    config = tiny_config(corpus, tmp_path, tokens=2048)
+    models = [build_model(model_config("micro", 512), seed=0) for _ in range(2)]
+    (ours,) = InnerOptimizer(models[0], config, total_steps=8).optimizers
+    reference = torch.optim.AdamW(
+        models[1].parameters(),
+        lr=ours.param_groups[0]["lr"],
+        betas=config.inner.betas,
+        weight_decay=config.inner.weight_decay,
+        foreach=False,
+    )
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(5):
+        batch = torch.randint(0, 512, (2, 16), generator=generator)
+        for model, optimizer in zip(models, (ours, reference), strict=True):
+            model(input_ids=batch, labels=batch).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    pairs = zip(models[0].parameters(), models[1].parameters(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
+    untrained = build_model(model_config("micro", 512), seed=0).model.embed_tokens.weight
+    assert not torch.equal(models[0].model.embed_tokens.weight, untrained)
+
+
 # -- resume ----------------------------------------------------------------------------------------
 def test_stop_then_resume_equals_uninterrupted_run(corpus, tmp_path, reference_run):
     config = tiny_config(corpus, tmp_path, preset="isoloco", checkpoint_every=1, eval_every=2)
