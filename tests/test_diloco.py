@@ -232,7 +232,7 @@ def test_a_state_of_other_shapes_is_refused_before_anything_changes():
 
 def test_simulated_workers_must_be_distinct_and_step_in_turn():
     model = torch.nn.Linear(4, 2)
-    first, second = (torch.optim.SGD(model.parameters(), lr=0.1) for _ in range(2))
+    first, second = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) for _ in range(2))
     outer = torch.optim.SGD(model.parameters(), lr=0.7)
     with pytest.raises(ValueError, match="lists one optimizer twice"):
         ml.DiLoCo(model, [first, first], outer, sync_every=2)
@@ -240,8 +240,11 @@ def test_simulated_workers_must_be_distinct_and_step_in_turn():
     with driver:
         model(torch.ones(1, 4)).sum().backward()
         first.step()
+        stepped = {name: p.detach().clone() for name, p in model.named_parameters()}
         with pytest.raises(RuntimeError, match="inner optimizer 1 stepped during worker 0's turn"):
             second.step()
+        assert all(torch.equal(p, stepped[name]) for name, p in model.named_parameters())
+        assert first.state and not second.state  # refused before the step: no momentum buffer
 
 
 def test_exclude_takes_any_name_of_a_tied_weight():

@@ -69,11 +69,12 @@ def check_inner_optimizers(model: torch.nn.Module, inner_optimizers: Sequence[An
         )
     in_model = {id(p) for p in model.parameters()}
     for worker, optimizer in enumerate(inner_optimizers):
-        if not callable(getattr(optimizer, "register_step_post_hook", None)):
-            raise TypeError(
-                f"inner_optimizer {worker} is a {type(optimizer).__name__}, not a torch "
-                "optimizer (it has no register_step_post_hook)"
-            )
+        for hook in ("register_step_pre_hook", "register_step_post_hook"):
+            if not callable(getattr(optimizer, hook, None)):
+                raise TypeError(
+                    f"inner_optimizer {worker} is a {type(optimizer).__name__}, not a torch "
+                    f"optimizer (it has no {hook})"
+                )
         if any(id(p) not in in_model for p in optimizer_tensors(optimizer)):
             raise ValueError(
                 f"inner_optimizer {worker} holds a tensor that is not a parameter of the model "
@@ -262,8 +263,14 @@ class DiLoCo:
         if not self._started:  # weights loaded after construction are the starting point
             self.snapshot_global()
         self._hooks = [
-            optimizer.register_step_post_hook(functools.partial(self._after_inner_step, worker))
+            hook
             for worker, optimizer in enumerate(self.inner_optimizers)
+            for hook in (
+                optimizer.register_step_pre_hook(functools.partial(self._check_turn, worker)),
+                optimizer.register_step_post_hook(
+                    functools.partial(self._after_inner_step, worker)
+                ),
+            )
         ]
         return self
 
@@ -272,13 +279,17 @@ class DiLoCo:
             handle.remove()
         self._hooks = []
 
-    def _after_inner_step(self, worker: int, optimizer, args, kwargs) -> None:
+    def _check_turn(self, worker: int, optimizer, args, kwargs) -> None:
+        """Before an inner step: it must be ``worker``'s turn (raises before the step)."""
         turn = len(self.pending)
         if worker != turn:
             raise RuntimeError(
                 f"inner optimizer {worker} stepped during worker {turn}'s turn: the simulated "
-                f"workers take turns in order, {self.sync_every} steps each"
+                f"workers take turns in order, {self.sync_every} steps each (the step was not "
+                "taken)"
             )
+
+    def _after_inner_step(self, worker: int, optimizer, args, kwargs) -> None:
         self._started = True
         self.local_steps += 1
         if self.local_steps == self.sync_every:

@@ -85,6 +85,10 @@ class InnerOptimizer:
         """The learning rate of the next step."""
         return self.optimizers[0].param_groups[0]["lr"]
 
+    def register_step_pre_hook(self, hook):
+        """torch's hook on the first optimizer's step: it runs before any parameter steps."""
+        return self.optimizers[0].register_step_pre_hook(hook)
+
     def register_step_post_hook(self, hook):
         """torch's hook on the last optimizer's step: it runs once every parameter has stepped
         (how the DiLoCo driver counts inner steps)."""
