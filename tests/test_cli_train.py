@@ -114,6 +114,40 @@ def test_the_outer_line_names_config_file_values_as_such(captured_run, capsys, t
     assert stdout.splitlines()[0].endswith("(preset diloco)")
 
 
+def test_tuple_options_are_given_as_merge_takes_them_and_resume(corpus, tmp_path, capsys):
+    """``--option weights=3,1`` (merge's syntax) and a TOML list both give the tuple (before:
+    refused, and a run with it in config.json could not resume); a key given twice, or also as
+    a flag, is refused. 4 rounds: 1024 tokens / (4 sequences x 32 tokens x 2 inner steps)."""
+    run = tmp_path / "run"
+    flags = ["--data", corpus, "--tokens", 1024, "--out", run, "-q", "--aggregator", "mean"]
+    code, _, err = run_main(capsys, "train", *TINY_FLAGS, *flags, "--option", "weights=3, 1",
+                            "--stop-after", 1)  # fmt: skip
+    assert code == 0, err
+    assert json.loads((run / "config.json").read_text())["aggregator_options"] == {
+        "weights": [3.0, 1.0]
+    }
+    code, _, err = run_main(capsys, "train", "--resume", "--out", run, "-q")
+    assert code == 0, err
+    rounds = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [e["round"] for e in rounds if e["event"] == "round"] == [1, 2, 3, 4]
+
+    config_file = tmp_path / "weights.toml"
+    config_file.write_text('aggregator = "ties"\n[aggregator_options]\ndensity = [0.5, 0.25]\n')
+    code, _, err = run_main(capsys, "train", *TINY_FLAGS, "--data", corpus, "--tokens", 256,
+                            "--config", config_file, "--out", tmp_path / "toml", "-q")  # fmt: skip
+    assert code == 0, err
+    saved = json.loads((tmp_path / "toml" / "config.json").read_text())
+    assert saved["aggregator_options"] == {"density": [0.5, 0.25]}
+
+    for extra, message in [
+        (["--option", "density=0.2", "--option", "density=0.3"], "'density' is given twice"),
+        (["--density", "0.3", "--option", "density=0.2"], "'density' is also given as a flag"),
+        (["--option", "density=0.5,x"], "'x' is not a finite number"),
+    ]:
+        code, _, err = run_main(capsys, "train", "--aggregator", "ties", *extra)
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_mode_dp_is_the_dp_preset_and_refuses_what_it_would_ignore(captured_run, capsys, tmp_path):
     code, stdout, _ = run_main(capsys, "train", "--mode", "dp", "--threads", "1")
     assert code == 0

@@ -6,7 +6,6 @@ Under torchrun: ``torchrun --nproc_per_node 2 -m mergekit_loco train --workers 8
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Annotated
@@ -41,18 +40,30 @@ THREADS_PER_CPU = 4
 EXIT_RUN_FAILED = 1
 
 
-def parse_aggregator_options(pairs: list[str]) -> dict:
-    """``["density=0.5", "rank_aware=true"]`` -> ``{"density": 0.5, "rank_aware": True}``."""
-    options = {}
+def parse_aggregator_options(pairs: list[str], flags: dict[str, object]) -> dict[str, object]:
+    """``["density=0.5", "rank-aware=true"]`` -> ``{"density": "0.5", "rank_aware": "true"}``
+    merged with the method flags given (``--density``); the texts take the method's types as
+    merge's ``--option`` values do, once the aggregator is known (``OuterConfig``). A key given
+    twice, or also as a flag, is refused."""
+    options = {key: value for key, value in flags.items() if value is not None}
+    seen = set()
     for pair in pairs:
         key, separator, text = pair.partition("=")
-        if not separator or not key.strip():
-            raise ValueError(f"--option expects KEY=VALUE, got {pair!r}")
-        try:
-            options[key.strip()] = json.loads(text)
-        except json.JSONDecodeError:
-            options[key.strip()] = text
+        key = key.strip().replace("-", "_")
+        if not separator or not key:
+            raise ValueError(f"--option {pair!r}: expected KEY=VALUE, e.g. density=0.3")
+        if key in seen:
+            raise ValueError(f"--option {pair!r}: {key!r} is given twice")
+        if key in options:
+            raise ValueError(f"--option {pair!r}: {key!r} is also given as a flag")
+        seen.add(key)
+        options[key] = text.strip()
     return options
+
+
+def preset_default(key: str) -> str:
+    """A default a preset sets: ``"(default: the preset's; diloco: 0.7)"``."""
+    return f"(default: the preset's; {default('preset')}: {default(key)})"
 
 
 def describe_outer(config: TrainConfig, given: dict[str, str]) -> str:
@@ -205,16 +216,16 @@ def train_command(
     aggregator: Annotated[
         str | None,
         typer.Option(
-            help=f"Merge method: {', '.join(method_names())} (default {default('aggregator')}). "
+            help=f"Merge method: {', '.join(method_names())} {preset_default('aggregator')}. "
             "Without --preset it brings its tuned preset (outer lr, momentum, inner lr), e.g. "
             "tsv -> --preset tsv."
         ),
     ] = None,
     outer_lr: Annotated[
-        float | None, typer.Option(help=f"Outer learning rate (default {default('outer_lr')}).")
+        float | None, typer.Option(help=f"Outer learning rate {preset_default('outer_lr')}.")
     ] = None,
     outer_momentum: Annotated[
-        float | None, typer.Option(help=f"Outer momentum (default {default('outer_momentum')}).")
+        float | None, typer.Option(help=f"Outer momentum {preset_default('outer_momentum')}.")
     ] = None,
     nesterov: Annotated[
         bool | None,
@@ -225,13 +236,13 @@ def train_command(
     ] = None,
     inner_lr: Annotated[
         float | None,
-        typer.Option(help=f"Peak inner learning rate (default {default('inner_lr')})."),
+        typer.Option(help=f"Peak inner learning rate {preset_default('inner_lr')}."),
     ] = None,
     inner_optimizer: Annotated[
         str | None, typer.Option(help=f"adamw or muon (default {default('inner_optimizer')}).")
     ] = None,
     weight_decay: Annotated[
-        float | None, typer.Option(help=f"Inner weight decay (default {default('weight_decay')}).")
+        float | None, typer.Option(help=f"Inner weight decay {preset_default('weight_decay')}.")
     ] = None,
     grad_clip: Annotated[
         float | None,
@@ -256,7 +267,8 @@ def train_command(
         str | None, typer.Option(help="iso-c/iso-cts aggregator: exact (SVD) or ns.")
     ] = None,
     option: Annotated[
-        list[str] | None, typer.Option(help="Any aggregator option as KEY=VALUE (repeatable).")
+        list[str] | None,
+        typer.Option(help="Any aggregator option as KEY=VALUE, as merge takes it (repeatable)."),
     ] = None,
     timeout: Annotated[
         float | None,
@@ -296,10 +308,9 @@ def train_command(
             f"--threads {threads} is more than {THREADS_PER_CPU} per CPU ({os.cpu_count()} "
             f"CPUs); choose at most {max_threads}"
         )
-    aggregator_options = parse_aggregator_options(option or [])
     named = {"density": density, "gamma": gamma, "common_fraction": common_fraction,
              "spectral": spectral}  # fmt: skip
-    aggregator_options |= {key: value for key, value in named.items() if value is not None}
+    aggregator_options = parse_aggregator_options(option or [], named)
     flags = dict(
         preset=preset, model=model, workers=workers, inner_steps=inner_steps,
         global_batch=global_batch, seq_len=seq_len, tokens=tokens, chinchilla=chinchilla,

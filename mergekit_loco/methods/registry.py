@@ -6,7 +6,7 @@ import difflib
 import math
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from mergekit_loco.io.files import brief
 from mergekit_loco.methods.base import MergeMethod
@@ -84,6 +84,26 @@ def parse_options(name: str, pairs: Sequence[str]) -> dict[str, object]:
             raise ValueError(f"--option {pair!r}: {key!r} is given twice")
         options[key] = _parse_value(pair, text.strip(), types[key])
     return options
+
+
+def typed_options(name: str, options: Mapping[str, object]) -> dict[str, object]:
+    """Options read from a command line or a config file as method ``name``'s field types: a
+    string given to a field that is not a string parses as an ``--option`` value does
+    (``"0.5,0.7"`` -> ``(0.5, 0.7)``, ``"true"`` -> True, ``"none"`` -> None); a list (JSON,
+    TOML, YAML) becomes a tuple. Keys the method does not take, and unknown methods, are left
+    for :func:`get_method` to refuse."""
+    if name not in METHODS:
+        return dict(options)
+    kinds = typing.get_type_hints(METHODS[name])
+    accepted = METHODS[name].parameter_names()
+    typed: dict[str, object] = {}
+    for key, value in options.items():
+        if key in accepted and isinstance(value, str) and not _is_a(value, kinds[key]):
+            value = _parse_value(f"{key}={value}", value.strip(), kinds[key])
+        elif isinstance(value, list):
+            value = tuple(value)
+        typed[key] = value
+    return typed
 
 
 def _parse_value(pair: str, text: str, kind) -> object:

@@ -103,7 +103,9 @@ class InnerConfig:
 class OuterConfig:
     """The outer step: ``aggregator`` (a merge method with its options) merges the workers'
     deltas; SGD with ``lr``, ``momentum`` (Nesterov or not) steps on ``-merged``.
-    ``compression``: what the outer step communicates, None (exact), "bf16" or "int8"."""
+    ``compression``: what the outer step communicates, None (exact), "bf16" or "int8".
+    ``aggregator_options`` from text or a config file take the method's field types
+    (``weights="1,0.5"`` or ``[1, 0.5]`` -> ``(1.0, 0.5)``)."""
 
     aggregator: str = "mean"
     aggregator_options: dict[str, Any] = field(default_factory=dict)
@@ -120,11 +122,14 @@ class OuterConfig:
         if self.nesterov and self.momentum == 0:
             raise ValueError("nesterov needs outer_momentum > 0 (use --no-nesterov)")
         from mergekit_loco.methods import get_method  # torch: not for `mloco train --help`
+        from mergekit_loco.methods.registry import typed_options
         from mergekit_loco.train.diloco import check_compression
 
         check_compression(self.compression)
         try:
-            get_method(self.aggregator, **self.aggregator_options)
+            options = typed_options(self.aggregator, self.aggregator_options)
+            object.__setattr__(self, "aggregator_options", options)
+            get_method(self.aggregator, **options)
         except ValueError as error:
             raise ValueError(f"aggregator: {error}") from None
         except TypeError as error:
