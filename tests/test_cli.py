@@ -108,6 +108,25 @@ def test_help_shows_plain_flags_and_ends_with_examples_that_parse(name):
         command.make_context(words[1], words[2:])  # raises on an unknown option or bad value
 
 
+@pytest.mark.parametrize("columns", ["60", "80"])
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_help_at_a_narrow_width_cuts_no_name_and_no_word(name, columns):
+    """Before: rich's option table cut ``--allow-config-chan…`` and long defaults at 80
+    columns (and whenever the help was piped). Every option name and every word of the help
+    texts must appear whole."""
+    text = CliRunner().invoke(app, [name, "--help"], env={"COLUMNS": columns}).output
+    assert "…" not in text
+    command = COMMANDS[name].load(name)
+    words = set(text.replace("\n", " ").split())
+    for param in command.params:
+        names = (*param.opts, *param.secondary_opts) if param.param_type_name == "option" else ()
+        for option in names:
+            assert option in text, option
+        for word in (param.help or "").split():
+            joined = "".join(text.split())  # click may break a long word at a hyphen
+            assert word in words or word in joined, (param.name, word)
+
+
 @pytest.mark.parametrize("name", list(COMMANDS))
 def test_listed_summary_is_the_first_sentence_of_the_help(name):
     command = COMMANDS[name].load(name)

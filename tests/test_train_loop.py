@@ -569,7 +569,8 @@ def test_config_sections_validate_once_and_hold_the_only_defaults():
         InnerConfig(steps=0)
     assert (default("outer_lr"), default("inner_steps")) == (OuterConfig().lr, InnerConfig().steps)
     help_text = CliRunner().invoke(app, ["train", "--help"], env={"COLUMNS": "300"}).output
-    assert f"Outer learning rate (default {OuterConfig().lr})" in help_text
+    help_text = " ".join(help_text.split())  # as read, whatever the wrapping
+    assert f"Outer learning rate (default: the preset's; diloco: {OuterConfig().lr})" in help_text
     config = resolve_config(preset="isoloco", workers=4, checkpoint_every=3)
     flat = config.to_dict()
     assert (flat["aggregator"], flat["outer_lr"], flat["keep_checkpoints"]) == ("iso-c", 1.8, 1)

@@ -82,6 +82,7 @@ app = typer.Typer(
     cls=Mloco,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # click's plain help: wraps at any width, never cuts a name
     epilog="Run mloco COMMAND --help for a command's options and examples.",
 )
 

@@ -96,13 +96,15 @@ class CommandEntry:
     examples: tuple[str, ...]
 
     def epilog(self) -> str:
-        """The examples as the help's last section (rich markup: one paragraph per line)."""
-        return "\n".join(["[bold]Examples[/bold]", *(f"  $ {line}" for line in self.examples)])
+        """The examples as the help's last section (``\\b``: click keeps the lines as they are)."""
+        return "\n".join(["\b", "Examples", *(f"  $ {line}" for line in self.examples)])
 
     def load(self, name: str) -> Command:
         """Import the command's module and build its click command."""
         function = getattr(importlib.import_module(self.module), self.function)
-        single = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+        single = typer.Typer(
+            add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None
+        )
         single.command(name, cls=Command, short_help=self.summary, epilog=self.epilog())(function)
         return typer.main.get_command(single)
 

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import math
 import os
+import tomllib
 import types
 import typing
 from collections.abc import Mapping
@@ -322,15 +323,11 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     try:
         text = raw.decode("utf-8")
         if suffix == ".toml":
-            import tomllib
-
             values = tomllib.loads(text)  # refuses a key given twice itself
         elif suffix == ".json":
             values = json.loads(text, object_pairs_hook=unique_keys)
         else:
             values = load_yaml(text, path) or {}
-    except ModuleNotFoundError:  # Python 3.10
-        raise ValueError(f"{shown(path)}: TOML config files need Python 3.11+") from None
     except ConfigFileError:  # an alias bomb, deep nesting, a key twice or not a string
         raise
     except Exception as error:  # decoding and the three parsers' errors, huge integers
