@@ -6,6 +6,7 @@ OUT/
   metrics.jsonl        one JSON event per line: round, eval, final
   checkpoints/         round-XXXXXX/ folders and the `latest` pointer
   final/               the trained model as a Hugging Face folder (after the last round)
+  .mloco-lock          held by the process training into OUT (mergekit_loco.io.lock)
 ```
 A sweep (``mloco compare -o DIR``) holds one such folder per cell under ``DIR/runs/``. Every run
 folder carries the ownership marker of :mod:`mergekit_loco.io.atomic` (kind :data:`RUN_KIND`); a

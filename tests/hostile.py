@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from mergekit_loco.cli import main
+from mergekit_loco.io.atomic import LOCK_FILE
 
 #: ``mloco train`` flags of a tiny run (micro model, 2 workers, 2 rounds of 256 tokens).
 TRAIN = [
@@ -69,10 +70,12 @@ def assert_not_read(opened: list[str], *paths: Path) -> None:
 
 
 def snapshot(folder: Path) -> dict[str, tuple]:
-    """Every entry under ``folder`` (symlinks not followed) -> (kind, size, mtime_ns)."""
+    """Every entry under ``folder`` (symlinks not followed) -> (kind, size, mtime_ns), but a
+    lock file: each process that takes a folder's lock writes its PID there, a refused one too
+    (:mod:`mergekit_loco.io.lock`)."""
     entries = {}
     for root, dirs, files in os.walk(folder):
-        for name in dirs + files:
+        for name in dirs + [file for file in files if file != LOCK_FILE]:
             path = Path(root, name)
             info = path.lstat()
             entries[str(path.relative_to(folder))] = (info.st_mode >> 12, info.st_size,

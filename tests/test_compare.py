@@ -6,15 +6,23 @@ import csv
 import importlib.util
 import json
 import math
+import os
 import shlex
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from hostile import snapshot
 
-from mergekit_loco.compare import merges, render, runs
+from mergekit_loco.cli import main
+from mergekit_loco.compare import merges, render, results_lock, runs
 from mergekit_loco.compare import sweep as sweeping
 from mergekit_loco.compare.sweep import Cell, Grid, Sweep, cell_config, plan, trained_tokens
+from mergekit_loco.io.lock import FolderInUse
 from mergekit_loco.train.config import preset_config
 from mergekit_loco.train.loop import train
 
@@ -316,6 +324,12 @@ def test_merge_comparison_end_to_end(tmp_path, domains):
 
     # merges are reused, not redone; report re-renders without evaluating
     before = (tmp_path / "cmp" / "merged" / "ties-1").stat().st_mtime_ns
+    with results_lock(tmp_path / "cmp") as running_there:  # ... and a comparison running there
+        running_there.acquire()  # refuses a second (the PID is ours: flock is per open file)
+        with pytest.raises(FolderInUse, match=rf"cmp is in use .* \(PID {os.getpid()}\) comp"):
+            merges.compare_merges(base.out / "final", finetuned, domains, ["ties"], [1.0],
+                                  tmp_path / "cmp", eval_tokens=1024, seq_len=32)  # fmt: skip
+    assert (tmp_path / "cmp" / "merged" / "ties-1").stat().st_mtime_ns == before
     render([tmp_path / "cmp"], figures=False)
     assert (tmp_path / "cmp" / "merged" / "ties-1").stat().st_mtime_ns == before
     merges.compare_merges(base.out / "final", finetuned, domains, ["ties"], [1.0],
@@ -479,54 +493,94 @@ def children_of(pid: int) -> set[int]:
     return found
 
 
-@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
-def test_sigterm_to_a_parallel_sweep_stops_its_workers(tmp_path):
-    """``kill PID`` of ``mloco compare --jobs 2`` ends its worker processes too (they kept
-    training on their own) and says, as Ctrl-C does, that finished cells are kept."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
+def parallel_sweep_command(tmp_path: Path) -> list[str]:
+    """``mloco compare --jobs 2`` of three cells (baseline, diloco, tsv) of 400 rounds each
+    (checkpoints every 100), into ``tmp_path / "sweep"``."""
     data = tmp_path / "data"
     data.mkdir()
     words = "the river ran past old stone walls while quiet birds sang of rain".split()
     for doc in range(200):
         text = " ".join(words[(doc * 7 + k * k) % len(words)] + str(k % 13) for k in range(500))
         (data / f"doc{doc:03d}.txt").write_text(text + "\n")
-    out = tmp_path / "sweep"
-    command = [sys.executable, "-m", "mergekit_loco", "compare", "--aggregators", "diloco,tsv",
-               "--workers", "2", "--inner-steps", "2", "--model", "micro", "--global-batch", "4",
-               "--seq-len", "32", "--vocab-size", "300", "--val-tokens", "1024", "--tokens",
-               str(4 * 32 * 2 * 400), "--data", str(data), "--jobs", "2", "--no-figures",
-               "-o", str(out)]  # fmt: skip
+    return ["compare", "--aggregators", "diloco,tsv", "--workers", "2", "--inner-steps", "2",
+            "--model", "micro", "--global-batch", "4", "--seq-len", "32", "--vocab-size", "300",
+            "--val-tokens", "1024", "--tokens", str(4 * 32 * 2 * 400), "--data", str(data),
+            "--jobs", "2", "--no-figures", "-o", str(tmp_path / "sweep")]  # fmt: skip
+
+
+def start_sweep(args: list[str], out: Path) -> subprocess.Popen:
+    """``python -m mergekit_loco ARGS``, returned once a cell has written a checkpoint in
+    ``out``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "mergekit_loco", *args]
     sweep = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240
     while not list(out.glob("runs/*/checkpoints/round-*")) and time.monotonic() < deadline:
         assert sweep.poll() is None, sweep.stderr.read()
         time.sleep(0.5)
+    return sweep
+
+
+def running(pid: int) -> bool:
+    """``pid`` has not ended (a zombie, state Z, has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def outlived(pids: set[int], seconds: float) -> list[int]:
+    """Those of ``pids`` still running after ``seconds`` (then killed, so none is left)."""
+    deadline = time.monotonic() + seconds
+    while any(map(running, pids)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    alive = [pid for pid in pids if running(pid)]
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    return alive
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_sigterm_to_a_parallel_sweep_stops_its_workers(tmp_path):
+    """``kill PID`` of ``mloco compare --jobs 2`` ends its worker processes too (they kept
+    training on their own) and says, as Ctrl-C does, that finished cells are kept."""
+    sweep = start_sweep(parallel_sweep_command(tmp_path), tmp_path / "sweep")
     workers = children_of(sweep.pid)
     assert workers, "no worker processes"
     sweep.send_signal(signal.SIGTERM)
     _, stderr = sweep.communicate(timeout=120)
     assert sweep.returncode == 130, stderr
     assert "interrupted; finished cells are kept" in stderr
+    assert not outlived(workers, 60), "worker processes outlived the sweep"
 
-    def running(pid: int) -> bool:  # a zombie (state Z) has ended
-        try:
-            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-        except OSError:
-            return False
 
-    deadline = time.monotonic() + 60
-    while any(map(running, workers)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    alive = [pid for pid in workers if running(pid)]
-    for pid in alive:
-        os.kill(pid, signal.SIGKILL)
-    assert not alive, "worker processes outlived the sweep"
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_second_compare_into_a_results_folder_in_use_is_refused(tmp_path, capsys):
+    """Two ``mloco compare -o DIR`` at once (before: both trained the same cells into DIR,
+    each resuming and overwriting the other's checkpoints): the second exits 2 at once naming
+    DIR and the first's PID, and changes nothing there."""
+    out = tmp_path / "sweep"
+    args = parallel_sweep_command(tmp_path)
+    sweep = start_sweep(args, out)
+    processes = {sweep.pid, *children_of(sweep.pid)}
+    try:
+        for pid in processes:  # the sweep and its workers, which write into DIR too
+            os.kill(pid, signal.SIGSTOP)
+        before = snapshot(out)
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exited:
+            main(args)
+        assert exited.value.code == 2
+        assert capsys.readouterr().err == (
+            f"error: {out} is in use by another mloco process (PID {sweep.pid}) comparing into "
+            "it; wait for it to finish or stop it, then run the same command again (it keeps "
+            "what it did)\n"
+        )
+        assert snapshot(out) == before
+    finally:
+        for pid in processes:
+            os.kill(pid, signal.SIGKILL)
+        sweep.communicate(timeout=60)
 
 
 @pytest.mark.parametrize(

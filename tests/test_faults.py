@@ -28,6 +28,7 @@ import pytest
 import torch
 from conftest import stdlib_corpus
 from fault_hook import FAULT_ENV, install
+from hostile import snapshot
 from safetensors.torch import load_file
 
 from mergekit_loco.cli import main
@@ -345,6 +346,51 @@ def test_signal_before_any_checkpoint_says_resume_is_impossible(corpus, tmp_path
     assert train(config, progress=False).finished  # starting again needs no --force
 
 
+# -- two processes, one run folder ---------------------------------------------------------------
+def process_state(pid: int) -> str:
+    """The state letter of ``pid`` in /proc (``T``: stopped, ``Z``: ended), ``gone`` if none."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_second_process_is_refused_a_run_folder_in_use(corpus, tmp_path, reference, capsys):
+    """A run stopped (SIGSTOP) before round 2 with CKPT(1) written, and a second ``mloco train``
+    into its folder, with --resume or --force (before: the resume trained rounds 2-4 beside the
+    first, which then logged them again in metrics.jsonl, and one deleted the other's staging
+    folder as a crashed save's leftover). The second exits 2 at once naming OUT and the first's
+    PID and changes nothing; the first then finishes as if it had been alone."""
+    out = tmp_path / "run"
+    flags = [*cli_flags(corpus, out), "--checkpoint-every=1"]
+    first = launch([sys.executable, LAUNCHER, "train", *flags], fault="0:2:1:STOP")
+    try:
+        deadline = time.monotonic() + PROCESS_GUARD_S
+        while process_state(first.pid) != "T" and time.monotonic() < deadline:
+            assert first.poll() is None, first.communicate()[1][-3000:]
+            time.sleep(0.1)
+        before = snapshot(out)
+        for second in (["--out", str(out), "--resume", "--quiet"], [*flags, "--force"]):
+            capsys.readouterr()
+            with pytest.raises(SystemExit) as exited:
+                main(["train", *second])
+            assert exited.value.code == 2
+            assert capsys.readouterr().err == (
+                f"error: {out} is in use by another mloco process (PID {first.pid}) training "
+                "into it; wait for it to finish or stop it, then --resume\n"
+            )
+        assert snapshot(out) == before
+        first.send_signal(signal.SIGCONT)
+        finished = finish(first)
+    finally:
+        kill_group(first)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert rounds_logged(out) == [1, 2, 3, 4]
+    final = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert final["checksum"] == reference.checksum
+
+
 # -- checkpoints ---------------------------------------------------------------------------------
 KILLED_WHILE_SAVING = """
 import os, signal, sys
@@ -376,6 +422,7 @@ def test_checkpoint_write_killed_half_way_keeps_the_previous_one(corpus, tmp_pat
     (staging,) = (tmp_path / "checkpoints").glob(".round-000002.tmp-*")
     assert not (staging / "manifest.json").exists()
     assert not (tmp_path / "checkpoints" / "round-000002").exists()
+    assert (tmp_path / ".mloco-lock").read_text() == f"{process.pid}\n"  # unheld: it died
 
     resumed = train(resolve_config(None, out=str(tmp_path), resume=True), progress=False)
     assert resumed.checksum == reference.checksum

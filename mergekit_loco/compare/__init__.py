@@ -16,6 +16,14 @@ from pathlib import Path
 
 from rich.console import Console
 
+from mergekit_loco.io.lock import FolderLock
+
+
+def results_lock(out: Path) -> FolderLock:
+    """The lock ``mloco compare -o OUT`` holds on ``out`` while it runs, taken once ``out`` has
+    passed its checks (:mod:`mergekit_loco.io.lock`): a second comparison there is refused."""
+    return FolderLock(out, "comparing into it", "run the same command again (it keeps what it did)")
+
 
 def check_unique(option: str, values: Sequence) -> None:
     """Refuse a list option that holds one value twice (``--workers 2,2`` would train one cell

@@ -14,6 +14,7 @@ from pathlib import Path
 from rich.console import Console
 
 from mergekit_loco import evaluate
+from mergekit_loco.compare import results_lock
 from mergekit_loco.compare.merge_report import EVALUATIONS, MergeRow, report_merges
 from mergekit_loco.device import resolve_device
 from mergekit_loco.io.atomic import check_results_folder, claim_folder, write_atomically
@@ -105,56 +106,58 @@ def compare_merges(
         halves[domain] = {"select": ids[:middle], "test": ids[middle:]}
     inputs = {str(base), *map(str, finetuned), *data, tokenizer} - set(BUILTIN_SOURCES)
     check_results_folder(out, MERGES_KIND, inputs, (MERGED,))
-    claim_folder(out, MERGES_KIND)
+    with results_lock(out) as lock:
+        lock.acquire()
+        claim_folder(out, MERGES_KIND)
 
-    models = {"base": (str(base), "base", None, None)}
-    for path, domain in zip(finetuned, data, strict=True):
-        models[f"finetune:{domain}"] = (str(path), "finetuned", None, None)
-    recipes_file = out / RECIPES
-    inputs_now = {"base": stamp(base), "finetuned": [stamp(path) for path in finetuned]}
-    recipes = read_json(recipes_file, "merge recipes") if recipes_file.exists() else {}
-    if not isinstance(recipes, dict):
-        raise ValueError(f"{recipes_file}: not a JSON object; delete it and add --force")
-    for method in methods:
-        for scale in scales:
-            label = merge_label(method, scale)
-            target = out / MERGED / label
-            wanted = {**inputs_now, "method": method, "scale": scale}
-            if target.exists() and not force and recipes.get(label) != wanted:
-                raise ValueError(
-                    f"{target}: this merge was made from other checkpoints than --base and "
-                    "--finetuned name now (or they changed since); add --force to merge again, "
-                    "or choose another -o"
-                )
-            if force or not target.exists():
-                console.print(f"merging {label}")
-                merge_checkpoints(finetuned, base, method, target, scale=scale, force=force,
-                                  progress=False)  # fmt: skip
-                recipes[label] = wanted
-                write_atomically(recipes_file, json.dumps(recipes, indent=2) + "\n")
-            models[label] = (str(target), "merge", method, scale)
+        models = {"base": (str(base), "base", None, None)}
+        for path, domain in zip(finetuned, data, strict=True):
+            models[f"finetune:{domain}"] = (str(path), "finetuned", None, None)
+        recipes_file = out / RECIPES
+        inputs_now = {"base": stamp(base), "finetuned": [stamp(path) for path in finetuned]}
+        recipes = read_json(recipes_file, "merge recipes") if recipes_file.exists() else {}
+        if not isinstance(recipes, dict):
+            raise ValueError(f"{recipes_file}: not a JSON object; delete it and add --force")
+        for method in methods:
+            for scale in scales:
+                label = merge_label(method, scale)
+                target = out / MERGED / label
+                wanted = {**inputs_now, "method": method, "scale": scale}
+                if target.exists() and not force and recipes.get(label) != wanted:
+                    raise ValueError(
+                        f"{target}: this merge was made from other checkpoints than --base and "
+                        "--finetuned name now (or they changed since); add --force to merge again, "
+                        "or choose another -o"
+                    )
+                if force or not target.exists():
+                    console.print(f"merging {label}")
+                    merge_checkpoints(finetuned, base, method, target, scale=scale, force=force,
+                                      progress=False)  # fmt: skip
+                    recipes[label] = wanted
+                    write_atomically(recipes_file, json.dumps(recipes, indent=2) + "\n")
+                models[label] = (str(target), "merge", method, scale)
 
-    records = []
-    for label, (path, kind, method, scale) in models.items():
-        console.print(f"evaluating {label}")
-        model = evaluate.load_model(path, device)
-        losses = {
-            domain: {
-                split: evaluate.loss_on(model, ids, seq_len, device=device)
-                for split, ids in splits.items()
+        records = []
+        for label, (path, kind, method, scale) in models.items():
+            console.print(f"evaluating {label}")
+            model = evaluate.load_model(path, device)
+            losses = {
+                domain: {
+                    split: evaluate.loss_on(model, ids, seq_len, device=device)
+                    for split, ids in splits.items()
+                }
+                for domain, splits in halves.items()
             }
-            for domain, splits in halves.items()
+            records.append({"label": label, "kind": kind, "method": method, "scale": scale,
+                            "path": path, "losses": losses})  # fmt: skip
+        document = {
+            "base": str(base),
+            "finetuned": [str(path) for path in finetuned],
+            "domains": list(data),
+            "seed": seed,
+            "eval_tokens": eval_tokens,
+            "seq_len": seq_len,
+            "models": records,
         }
-        records.append({"label": label, "kind": kind, "method": method, "scale": scale,
-                        "path": path, "losses": losses})  # fmt: skip
-    document = {
-        "base": str(base),
-        "finetuned": [str(path) for path in finetuned],
-        "domains": list(data),
-        "seed": seed,
-        "eval_tokens": eval_tokens,
-        "seq_len": seq_len,
-        "models": records,
-    }
-    write_atomically(out / EVALUATIONS, json.dumps(document, indent=2) + "\n")
-    return report_merges([out], out, console=console, figures=figures)
+        write_atomically(out / EVALUATIONS, json.dumps(document, indent=2) + "\n")
+        return report_merges([out], out, console=console, figures=figures)

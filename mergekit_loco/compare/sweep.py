@@ -27,7 +27,7 @@ import torch
 from rich.console import Console
 
 from mergekit_loco import run_layout
-from mergekit_loco.compare import check_unique
+from mergekit_loco.compare import check_unique, results_lock
 from mergekit_loco.compare.runs import BASELINE, FAILED_FILE, is_finished, load_run, read_run_config
 from mergekit_loco.compare.sweep_report import SummaryRow, report_sweep
 from mergekit_loco.compare.tables import format_number
@@ -254,8 +254,8 @@ def run_sweep(
     progress: bool = True,
     figures: bool = True,
 ) -> list[SummaryRow]:
-    """Run every unfinished cell of ``sweep`` into ``out/runs/`` (``jobs`` at a time, each in
-    its own process with ``cpu_count / jobs`` threads), then write the report."""
+    """Run every unfinished cell of ``sweep`` into ``out/runs/`` (:func:`run_cells`), then
+    write the report; ``out`` is locked meanwhile (a second sweep there is refused)."""
     if jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
     runs_dir = Path(out) / run_layout.SWEEP_RUNS
@@ -268,8 +268,20 @@ def run_sweep(
     check_results_folder(
         Path(out), run_layout.SWEEP_KIND, inputs - set(BUILTIN_SOURCES), (run_layout.SWEEP_RUNS,)
     )
-    claim_folder(Path(out), run_layout.SWEEP_KIND)
-    console = console or Console(quiet=True)
+    with results_lock(Path(out)) as lock:
+        lock.acquire()
+        claim_folder(Path(out), run_layout.SWEEP_KIND)
+        console = console or Console(quiet=True)
+        run_cells(sweep, cells, runs_dir, jobs, console, progress)
+        return report_sweep(out, console=console, figures=figures)
+
+
+def run_cells(
+    sweep: Sweep, cells: list[Cell], runs_dir: Path, jobs: int, console: Console, progress: bool
+) -> None:
+    """Run every unfinished cell into ``runs_dir`` (a finished one must be of this sweep):
+    ``jobs`` at a time, each in its own pool process with ``cpu_count / jobs`` threads; each
+    cell's training holds its own run folder's lock."""
     todo = []
     for cell in cells:
         run_dir = runs_dir / cell.name
@@ -292,26 +304,25 @@ def run_sweep(
     if jobs == 1:
         for count, cell in enumerate(todo, start=1):
             done(count, cell, run_cell(sweep, cell, runs_dir / cell.name, progress))
-    else:
-        threads = max(1, (os.cpu_count() or 1) // jobs)
-        context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(jobs, mp_context=context) as pool, stopped_by_sigterm():
-            waiting, running, count = list(reversed(todo)), {}, 0
-            try:
-                while waiting or running:
-                    while waiting and len(running) < jobs:  # no cell queued behind the jobs
-                        cell = waiting.pop()
-                        job = pool.submit(_run_cell_alone, sweep, cell, runs_dir / cell.name,
-                                          threads)  # fmt: skip
-                        running[job] = cell
-                    finished, _ = wait(running, return_when=FIRST_COMPLETED)
-                    for job in finished:
-                        count += 1
-                        done(count, running.pop(job), job.result())
-            except BaseException:
-                stop_workers(pool)
-                raise
-    return report_sweep(out, console=console, figures=figures)
+        return
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(jobs, mp_context=context) as pool, stopped_by_sigterm():
+        waiting, running, count = list(reversed(todo)), {}, 0
+        try:
+            while waiting or running:
+                while waiting and len(running) < jobs:  # no cell queued behind the jobs
+                    cell = waiting.pop()
+                    job = pool.submit(_run_cell_alone, sweep, cell, runs_dir / cell.name,
+                                      threads)  # fmt: skip
+                    running[job] = cell
+                finished, _ = wait(running, return_when=FIRST_COMPLETED)
+                for job in finished:
+                    count += 1
+                    done(count, running.pop(job), job.result())
+        except BaseException:
+            stop_workers(pool)
+            raise
 
 
 def stop_workers(pool: ProcessPoolExecutor, grace_seconds: float = 60.0) -> None:

@@ -38,6 +38,9 @@ ADAPTER_CONFIG = "adapter_config.json"
 
 #: The file that marks a folder as written by mergekit_loco (``--force`` may replace it).
 OWNER_MARKER = ".mloco-output.json"
+#: The lock file of a folder a process is writing (:mod:`mergekit_loco.io.lock`). It is no
+#: output: a folder that holds only it is empty, and nothing ever deletes it.
+LOCK_FILE = ".mloco-lock"
 #: File names a checkpoint folder may hold (besides ``*.safetensors`` and index files).
 CHECKPOINT_SIDE_FILES = frozenset(
     {
@@ -91,10 +94,11 @@ def mark_output(folder: Path, kind: str) -> None:
 
 def claim_folder(folder: Path, kind: str, reads: Collection[str] = ()) -> None:
     """Create ``folder`` (and parents) and mark it as ours if it is new, empty or holds only the
-    entries named ``reads`` (what the command reads there); a folder that holds other files is
-    used but not marked (so ``--force`` never treats it as ours)."""
+    entries named ``reads`` (what the command reads there) and :data:`LOCK_FILE`; a folder that
+    holds other files is used but not marked (so ``--force`` never treats it as ours)."""
     folder.mkdir(parents=True, exist_ok=True)
-    if not is_ours(folder) and all(entry.name in reads for entry in folder.iterdir()):
+    ignored = (*reads, LOCK_FILE)
+    if not is_ours(folder) and all(entry.name in ignored for entry in folder.iterdir()):
         mark_output(folder, kind)
 
 
@@ -124,8 +128,8 @@ def check_free_or_ours(
     """Refuse to write into ``folder`` unless it is new, ours and marked with one of ``kinds``
     (:func:`marked_kind`: what the command itself writes; a model folder inside a run is no run
     folder, a run folder no sweep), or holds nothing but the entries named ``reads`` (what the
-    command reads there); never a symlink or a file. ``--force`` changes nothing here. The
-    message names the folder, what wrote it and a file it holds."""
+    command reads there) and :data:`LOCK_FILE`; never a symlink or a file. ``--force`` changes
+    nothing here. The message names the folder, what wrote it and a file it holds."""
     if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
         what_it_is = "a symlink" if folder.is_symlink() else "not a folder"
         raise OutputRefused(
@@ -133,7 +137,8 @@ def check_free_or_ours(
         )
     if not folder.exists() or marked_kind(folder) in kinds:
         return
-    held = sorted(entry.name for entry in folder.iterdir() if entry.name not in reads)
+    ignored = (*reads, LOCK_FILE)
+    held = sorted(entry.name for entry in folder.iterdir() if entry.name not in ignored)
     if not held:
         return
     named = next((name for name in held if name != OWNER_MARKER), held[0])

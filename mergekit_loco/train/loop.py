@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mergekit_loco.dist import modelled_comm_stats
+from mergekit_loco.io.lock import FolderLock
 from mergekit_loco.run_layout import FINAL, LATEST
 from mergekit_loco.train import rounds as turns
 from mergekit_loco.train.checkpoint import pointed_name
@@ -58,8 +59,12 @@ def train(config: TrainConfig, progress: bool = True) -> TrainResult:
     """Run (or resume) the training ``config`` describes; see docs/training.md."""
     started = time.perf_counter()
     show = progress and not config.run.quiet
-    with open_worker_group(config) as group, StopSignals(enabled=not group.distributed) as stop:
-        run = start_run(config, group, started)
+    with (
+        open_worker_group(config) as group,
+        StopSignals(enabled=not group.distributed) as stop,
+        FolderLock(Path(config.run.out), "training into it", "--resume") as lock,
+    ):
+        run = start_run(config, group, lock, started)
         if group.is_main:
             note_resume(run, show)
             note_other_world_size(run)

@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from mergekit_loco.io import open_checkpoint
 from mergekit_loco.io.atomic import write_atomically
+from mergekit_loco.io.lock import FolderLock
 from mergekit_loco.io.yaml_config import bounded
 from mergekit_loco.methods import METHODS
 from mergekit_loco.run_layout import CONFIG, METRICS
@@ -52,7 +53,13 @@ from mergekit_loco.train.model import (
     model_config,
     parameter_checksum,
 )
-from mergekit_loco.train.run_folder import MetricsLog, check_output, claim_output
+from mergekit_loco.train.run_folder import (
+    MetricsLog,
+    check_output,
+    claim_output,
+    hold_output,
+    resume_point,
+)
 from mergekit_loco.train.tokenizer import (
     TOKENIZER_FILES,
     as_saved_beside,
@@ -207,14 +214,22 @@ def worker_state(worker: Worker) -> dict:
     }
 
 
-def start_run(config: TrainConfig, group: WorkerGroup, started: float | None = None) -> Run:
+def start_run(
+    config: TrainConfig, group: WorkerGroup, lock: FolderLock, started: float | None = None
+) -> Run:
     """Build (or resume) the run ``config`` describes. Every check that needs no training runs
-    before ``out`` is touched, so a run that cannot start leaves it as it found it. ``started``:
-    the ``time.perf_counter()`` its wall time counts from (default: now)."""
+    before ``out`` is touched, so a run that cannot start leaves it as it found it (a resumed
+    one leaves the lock file). ``lock``: ``out``'s, taken before a checkpoint is read or ``out``
+    is changed, and held by the caller until the run ends. ``started``: the
+    ``time.perf_counter()`` its wall time counts from (default: now)."""
     out = Path(config.run.out)
     check_same_options(config, group)
     check_compression_has_ranks(config.outer.compression, None)  # torchrun's group, if any
-    resume_from = check_output(out, config)
+    check_output(out, config)
+    resume_from = None
+    if config.checkpoint.resume:
+        hold_output(lock, group)  # another process may still be writing the checkpoints
+        resume_from = resume_point(out, config)
     check_init(config)
     torch.manual_seed(config.run.seed)
     tokenizer = main_process_first(group, lambda: find_tokenizer(config))
@@ -249,7 +264,7 @@ def start_run(config: TrainConfig, group: WorkerGroup, started: float | None = N
         run.restore(resume_from)
     check_data_left(workers, config, rounds - run.start_round)
     group.check_identical(parameter_checksum(run.global_params), "global parameters")
-    claim_output(out, config, group)
+    claim_output(out, config, group, lock)
     run.metrics = MetricsLog(out / METRICS, group.is_main, run.start_round, rounds)
     if group.is_main:
         write_atomically(out / CONFIG, json.dumps(config.to_dict(), indent=2) + "\n")

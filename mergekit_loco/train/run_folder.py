@@ -1,5 +1,5 @@
-"""The run folder (layout in :mod:`mergekit_loco.run_layout`): refuse to clobber, claim, log
-metrics, write the final model."""
+"""The run folder (layout in :mod:`mergekit_loco.run_layout`): refuse to clobber, hold (one
+process writes it, :mod:`mergekit_loco.io.lock`), claim, log metrics, write the final model."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from mergekit_loco.io.atomic import (
     write_atomically,
 )
 from mergekit_loco.io.files import UnsafeInputError, parse_json, read_lines, shown
+from mergekit_loco.io.lock import FolderLock
 from mergekit_loco.run_layout import (
     CHECKPOINTS,
     FINAL,
@@ -48,27 +49,15 @@ from mergekit_loco.train.sources import cache_root, split_sources
 from mergekit_loco.train.workers import WorkerGroup
 
 
-def check_output(out: Path, config: TrainConfig) -> Path | None:
-    """The checkpoint to resume from (``resume``), else make sure ``out`` is new, empty or a run
-    folder of ours (:func:`check_new_out`) that holds no other run (unless ``force``). Refuses a
-    resume whose run-defining config differs. Writes nothing."""
+def check_output(out: Path, config: TrainConfig) -> None:
+    """Make sure the run may use ``out``: outside its inputs; on ``resume`` a folder, else new,
+    empty or a run folder of ours (:func:`check_new_out`) that holds no other run (unless
+    ``force``). Writes nothing and reads no checkpoint (that waits for the lock,
+    :func:`resume_point`)."""
     check_out_outside_inputs(out, config)
     if config.checkpoint.resume:
         check_resumable(out)
-        checkpoint = latest_checkpoint(out)
-        if checkpoint is None:
-            raise ValueError(
-                f"nothing to resume: {out / CHECKPOINTS} holds no checkpoint; "
-                f"{start_over_advice(out)}"
-            )
-        with reading(checkpoint / STATE):  # a damaged config in state.json names the file
-            changes = config.differences(read_state(checkpoint)["config"])
-        if changes and not config.checkpoint.allow_config_change:
-            raise ValueError(
-                f"{checkpoint} was written with another config ({'; '.join(changes)}); "
-                "pass the same options, or --allow-config-change to resume anyway"
-            )
-        return checkpoint
+        return
     check_new_out(out)
     previous = previous_run(out)
     if previous and not config.checkpoint.force:
@@ -78,7 +67,25 @@ def check_output(out: Path, config: TrainConfig) -> Path | None:
         )
     if previous:  # --force: only what a run writes, never deleting an input
         check_run_replaceable(out, run_inputs(config))
-    return None
+
+
+def resume_point(out: Path, config: TrainConfig) -> Path:
+    """The checkpoint ``--resume`` continues from, the latest in ``out``, refused if written with
+    another run-defining config (unless ``allow_config_change``). Read once the run holds
+    ``out``'s lock (:func:`hold_output`): a run still writing there would change it."""
+    checkpoint = latest_checkpoint(out)
+    if checkpoint is None:
+        raise ValueError(
+            f"nothing to resume: {out / CHECKPOINTS} holds no checkpoint; {start_over_advice(out)}"
+        )
+    with reading(checkpoint / STATE):  # a damaged config in state.json names the file
+        changes = config.differences(read_state(checkpoint)["config"])
+    if changes and not config.checkpoint.allow_config_change:
+        raise ValueError(
+            f"{checkpoint} was written with another config ({'; '.join(changes)}); "
+            "pass the same options, or --allow-config-change to resume anyway"
+        )
+    return checkpoint
 
 
 def check_new_out(out: Path) -> None:
@@ -177,13 +184,30 @@ def check_out_outside_inputs(out: Path, config: TrainConfig) -> None:
                 )
 
 
-def claim_output(out: Path, config: TrainConfig, group: WorkerGroup) -> None:
-    """Create ``out``; a fresh run deletes a previous run's files there (``force``). Called once
-    every check has passed, so a run that cannot start leaves ``out`` as it found it."""
+def hold_output(lock: FolderLock, group: WorkerGroup) -> None:
+    """Rank 0 takes the run folder's lock (once; it creates the folder), the one process of a
+    launch that does (rank 0 alone writes ``OUT`` but for its ranks' files in a checkpoint's
+    staging folder); every rank raises its failure (:class:`~mergekit_loco.io.lock.FolderInUse`,
+    a lock file that is a symlink, a filesystem without locks), so a second launch stops on each
+    with the same line."""
+    failure = None
     if group.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        if not config.checkpoint.resume:
-            clear_previous_run(out)
+        try:
+            lock.acquire()
+        except (OSError, ValueError) as error:
+            failure = error
+    failure = group.broadcast(failure)
+    if failure is not None:
+        raise failure
+
+
+def claim_output(out: Path, config: TrainConfig, group: WorkerGroup, lock: FolderLock) -> None:
+    """Hold ``out``'s lock (:func:`hold_output`; a resumed run took it before reading its
+    checkpoint), then let a fresh run delete a previous run's files there (``force``). Called
+    once every check has passed, so a run that cannot start leaves ``out`` as it found it."""
+    hold_output(lock, group)
+    if group.is_main and not config.checkpoint.resume:
+        clear_previous_run(out)
     group.barrier()
 
 
