@@ -554,6 +554,21 @@ def test_sigterm_to_a_parallel_sweep_stops_its_workers(tmp_path):
     assert not outlived(workers, 60), "worker processes outlived the sweep"
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_workers_of_a_killed_parallel_sweep_end_with_it(tmp_path):
+    """SIGKILL (or the OOM killer) of ``mloco compare --jobs 2`` while its cells train: its
+    worker processes end within seconds (before: each trained its cell to the end in the sweep,
+    then waited forever, parent PID 1, racing a rerun). Each cell stops at its next inner step
+    and resumes from its last checkpoint."""
+    sweep = start_sweep(parallel_sweep_command(tmp_path), tmp_path / "sweep")
+    workers = children_of(sweep.pid)
+    sweep.kill()
+    sweep.wait(timeout=60)  # not its stderr: an orphan would hold that open
+    sweep.stderr.close()
+    assert len(workers) >= 2, "no worker processes"
+    assert not outlived(workers, 10), "worker processes outlived the killed sweep"
+
+
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_a_second_compare_into_a_results_folder_in_use_is_refused(tmp_path, capsys):
     """Two ``mloco compare -o DIR`` at once (before: both trained the same cells into DIR,

@@ -10,11 +10,13 @@ one resumes. The report is :mod:`mergekit_loco.compare.sweep_report`.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import multiprocessing
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -240,10 +242,16 @@ def check_same_run(config: TrainConfig, run_dir: Path) -> None:
         )
 
 
-def _run_cell_alone(sweep: Sweep, cell: Cell, run_dir: Path, threads: int) -> str:
-    """:func:`run_cell` in a pool process, with ``threads`` torch threads."""
+def _run_cell_alone(sweep: Sweep, cell: Cell, run_dir: Path, threads: int, parent: int) -> str:
+    """:func:`run_cell` in a pool process, with ``threads`` torch threads. If the sweep process
+    ``parent`` died meanwhile (its SIGTERM stopped the cell, :func:`die_with_parent`), the
+    worker ends with the cell: no one is left to take its result or give it another."""
     torch.set_num_threads(threads)
-    return run_cell(sweep, cell, run_dir)
+    try:
+        return run_cell(sweep, cell, run_dir)
+    finally:
+        if os.getppid() != parent:
+            os._exit(128 + signal.SIGTERM)
 
 
 def run_sweep(
@@ -280,8 +288,8 @@ def run_cells(
     sweep: Sweep, cells: list[Cell], runs_dir: Path, jobs: int, console: Console, progress: bool
 ) -> None:
     """Run every unfinished cell into ``runs_dir`` (a finished one must be of this sweep):
-    ``jobs`` at a time, each in its own pool process with ``cpu_count / jobs`` threads; each
-    cell's training holds its own run folder's lock."""
+    ``jobs`` at a time, each in its own pool process (:func:`die_with_parent`) with
+    ``cpu_count / jobs`` threads; each cell's training holds its own run folder's lock."""
     todo = []
     for cell in cells:
         run_dir = runs_dir / cell.name
@@ -307,14 +315,18 @@ def run_cells(
         return
     threads = max(1, (os.cpu_count() or 1) // jobs)
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(jobs, mp_context=context) as pool, stopped_by_sigterm():
+    sweep_pid = os.getpid()
+    pool = ProcessPoolExecutor(
+        jobs, mp_context=context, initializer=die_with_parent, initargs=(sweep_pid,)
+    )
+    with pool, stopped_by_sigterm():
         waiting, running, count = list(reversed(todo)), {}, 0
         try:
             while waiting or running:
                 while waiting and len(running) < jobs:  # no cell queued behind the jobs
                     cell = waiting.pop()
                     job = pool.submit(_run_cell_alone, sweep, cell, runs_dir / cell.name,
-                                      threads)  # fmt: skip
+                                      threads, sweep_pid)  # fmt: skip
                     running[job] = cell
                 finished, _ = wait(running, return_when=FIRST_COMPLETED)
                 for job in finished:
@@ -323,6 +335,28 @@ def run_cells(
         except BaseException:
             stop_workers(pool)
             raise
+
+
+#: prctl's option that names the signal a process gets when its parent dies (linux/prctl.h).
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent: int) -> None:
+    """Pool initializer: Linux sends this worker SIGTERM when the sweep process ``parent``
+    dies, even by SIGKILL or the OOM killer (an orphan would finish its cell in the sweep, then
+    wait forever for work, racing a rerun). SIGTERM, as :func:`stop_workers` sends, not
+    SIGKILL: the cell stops at its next inner step, a checkpoint being written is completed,
+    and the worker ends (:func:`_run_cell_alone`); an idle worker ends at once. Ends at once
+    too if the sweep died before the request was made. The signal follows the thread that
+    started the worker: :func:`run_cells`' thread, which outlives the pool."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"prctl(PR_SET_PDEATHSIG): {os.strerror(error)}")
+    if os.getppid() != parent:
+        signal.raise_signal(signal.SIGTERM)
 
 
 def stop_workers(pool: ProcessPoolExecutor, grace_seconds: float = 60.0) -> None:
