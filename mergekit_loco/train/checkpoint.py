@@ -17,7 +17,7 @@ renamed to ``round-XXXXXX/``, ``checkpoints/latest`` is pointed at it (temp file
 folder, never a half-written checkpoint. Multi-node runs need ``OUT`` on a shared filesystem.
 
 Only what this tool wrote is ever deleted: an entry of ``checkpoints/`` named exactly
-``round-XXXXXX`` or ``.round-XXXXXX.tmp-XXXX`` and holding the ownership marker
+``round-XXXXXX`` or ``.round-XXXXXX.tmp-HOST-PID-XXXX`` and holding the ownership marker
 (:data:`~mergekit_loco.io.atomic.OWNER_MARKER`, written into the staging folder first thing).
 A ``checkpoints/`` that is a symlink or leads outside ``OUT`` is refused (:func:`checkpoints_root`).
 
@@ -72,7 +72,7 @@ SHARED = "shared.pt"
 FILE_NAME = re.compile(r"(state\.json|global\.safetensors|shared\.pt|(worker|rng-rank)-\d{4,}\.pt)")
 ROUND_NAME = re.compile(r"round-\d{6,}")
 #: The staging folder of a save (:func:`mergekit_loco.io.atomic.staged_output`'s name for it).
-STAGING_NAME = re.compile(r"\.round-\d{6,}\.tmp-\w+")
+STAGING_NAME = re.compile(r"\.round-\d{6,}\.tmp-[\w.-]+")
 
 
 def worker_file(index: int) -> str:
