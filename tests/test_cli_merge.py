@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 from mergekit_loco.cli import app, main
 from mergekit_loco.io import CheckpointError
 from mergekit_loco.io import writer as writer_module
+from mergekit_loco.io.atomic import process_tag
 
 REPO = Path(__file__).resolve().parents[1]
 ENTRY_POINT = [sys.executable, "-m", "mergekit_loco"]
@@ -180,6 +181,51 @@ def test_signal_mid_write_leaves_nothing_partial(sharded, tmp_path, signal_name,
     else:
         assert not out.exists()
     assert temp_leftovers(tmp_path) == []
+
+
+RENAME_KILL_SCRIPT = """
+import os, signal, sys
+from mergekit_loco.cli import main
+
+rename = os.rename
+
+def rename_then_die(source, target):
+    rename(source, target)
+    if ".old-" in os.fspath(target):  # the old merge moved aside, the new one not yet in place
+        os.kill(os.getpid(), signal.SIGKILL)
+
+os.rename = rename_then_die
+main(sys.argv[1:])
+"""
+
+
+def test_what_a_sigkill_leaves_is_cleared_by_the_next_write(sharded, tmp_path):
+    """SIGKILL mid-write leaves a staging folder; SIGKILL while --force swaps the output leaves
+    the old merge aside and no output. The next merge of that path clears the first, puts the
+    old merge back for the second (nothing lost: without --force it is refused as existing);
+    what a live process or another host left stays (before: every leftover stayed for good)."""
+    base, models = sharded
+    out = tmp_path / "merged"
+    args = ["merge", *models, "--base", base, "--method", "ta", "-o", out, "--shard-size", "4KB"]
+    command = [sys.executable, "-c", SIGNAL_SCRIPT, "SIGKILL", *map(str, args)]
+    assert subprocess.run(command, capture_output=True).returncode == -9
+    (killed,) = temp_leftovers(tmp_path)
+    assert killed.startswith(".merged.tmp-") and any((tmp_path / killed).iterdir())
+    alive = tmp_path / f".merged.tmp-{process_tag()}-live1234"  # this test's own process
+    other_host = tmp_path / ".merged.tmp-elsewhere-1-abcd1234"
+    for kept in (alive, other_host):
+        kept.mkdir()
+    assert run_entry_point(*map(str, args)).returncode == 0
+    assert sorted(temp_leftovers(tmp_path)) == sorted([alive.name, other_host.name])
+    first = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    command = [sys.executable, "-c", RENAME_KILL_SCRIPT, *map(str, args), "--scale", "0.5"]
+    assert subprocess.run([*command, "--force"], capture_output=True).returncode == -9
+    assert not out.exists() and any(".merged.old-" in name for name in temp_leftovers(tmp_path))
+    refused = run_entry_point(*map(str, args))
+    assert refused.returncode == 2 and "output folder exists; add --force" in refused.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == first
+    assert sorted(temp_leftovers(tmp_path)) == sorted([alive.name, other_host.name])
 
 
 # -- every bad input: exit 2, one line naming file and tensor, nothing written ----------------

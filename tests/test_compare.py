@@ -218,6 +218,23 @@ def test_stopped_sweep_resumes_and_never_reruns_finished_cells(tmp_path, domains
         sweeping.run_sweep(other, tmp_path, figures=False)
 
 
+def test_a_cells_damaged_only_checkpoint_says_to_delete_the_cell(tmp_path, domains):
+    """compare has no --resume nor a --force for cells: the advice names the cell's folder
+    (before: "start over with --force instead of --resume", which compare cannot do)."""
+    shared = {**TOY, "tokens": 4 * 2 * 4 * 32, "data": domains[1]}  # 4 rounds of H = 2
+    sweep = Sweep(["diloco"], [2], inner_steps=[2], baseline=False, shared=shared)
+    stopped = Sweep(["diloco"], [2], inner_steps=[2], baseline=False,
+                    shared={**shared, "stop_after": 1, "checkpoint_every": 1})  # fmt: skip
+    sweeping.run_sweep(stopped, tmp_path, figures=False)
+    cell = tmp_path / "runs" / "diloco-R2-H2-s0"
+    (cell / "checkpoints" / "round-000001" / "shared.pt").write_bytes(b"torn")
+    with pytest.raises(ValueError) as raised:
+        sweeping.run_sweep(sweep, tmp_path, figures=False)
+    message = str(raised.value)
+    assert "shared.pt" in message and f"delete {cell} and run the same compare" in message
+    assert "--force" not in message and "--resume" not in message
+
+
 def test_a_grid_extended_by_the_printed_values_reuses_its_cells(tmp_path, domains, monkeypatch):
     """0.71 x 0.7 is 0.49699999999999994; the cell is named lr0.497, and naming 0.497 to extend
     the grid must neither refuse nor rerun it, nor count it as another setting."""

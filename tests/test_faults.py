@@ -443,15 +443,18 @@ def flip_middle_byte(path: Path) -> None:
          r"differs from manifest\.json\); this is the only checkpoint: start over with --force "
          r"instead of --resume$"),
         ("flip round-000002/worker-0003.pt", r"checkpoint file {ckpt}/worker-0003\.pt is corrupt"),
-        ("cut round-000002/manifest.json", r"checkpoint {ckpt}: unreadable manifest\.json \(.+\)"),
+        ("cut round-000002/manifest.json", r"checkpoint {ckpt}: unreadable manifest\.json \(.+\); "
+         r"this is the only checkpoint: start over with --force instead of --resume$"),
+        ("empty round-000002/manifest.json", r"checkpoint {ckpt}: unreadable manifest\.json "
+         r"\(.+\); this is the only checkpoint"),
         ("delete round-000002/shared.pt", r"checkpoint file {ckpt}/shared\.pt is missing; this is "
          r"the only checkpoint: start over with --force instead of --resume$"),
         ("keep round-000001, flip round-000002/shared.pt", r"checkpoint file {ckpt}/shared\.pt "
          r"is corrupt \(.+\); delete this checkpoint folder to resume from round-000001, the "
          r"one before$"),
     ],
-    ids=["state-flipped", "worker-file-flipped", "manifest-cut", "shared-deleted",
-         "earlier-checkpoint-kept"],
+    ids=["state-flipped", "worker-file-flipped", "manifest-cut", "manifest-empty",
+         "shared-deleted", "earlier-checkpoint-kept"],
 )  # fmt: skip
 def test_damaged_checkpoint_is_named_in_one_line_exit_2(stopped_run, tmp_path, capsys, damage,
                                                         message):  # fmt: skip
@@ -466,6 +469,8 @@ def test_damaged_checkpoint_is_named_in_one_line_exit_2(stopped_run, tmp_path, c
         flip_middle_byte(path)
     elif action == "cut":
         path.write_text(path.read_text()[:40])
+    elif action == "empty":
+        path.write_text("")
     else:
         path.unlink()
     metrics_before = (run / "metrics.jsonl").read_bytes()
@@ -626,6 +631,21 @@ def test_resume_with_another_config_is_refused_saying_what_differs(stopped_run, 
     result = train(allowed, progress=False)
     assert result.finished and rounds_logged(run) == [1, 2, 3, 4]
     assert json.loads((run / "config.json").read_text())["aggregator"] == "iso-c"
+
+
+def test_resume_without_config_json_says_the_defaults_were_compared(stopped_run, tmp_path):
+    """A run folder that lost its config.json: the refusal says why the options differ (before:
+    only "written with another config (model: 'micro' -> 'nano'; ...)")."""
+    run = tmp_path / "run"
+    shutil.copytree(stopped_run, run)
+    (run / "config.json").unlink()
+    refused = run_cli(["--out", str(run), "--resume"])
+    assert refused.returncode == 2 and len(refused.stderr.splitlines()) == 1
+    checkpoint = run / "checkpoints" / "round-000002"
+    assert (
+        f"({run / 'config.json'} is missing, so the options not given were the defaults; "
+        f'{checkpoint / "state.json"} records the run\'s under "config")' in refused.stderr
+    )
 
 
 @pytest.mark.parametrize(

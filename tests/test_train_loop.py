@@ -273,6 +273,25 @@ def test_stop_then_resume_equals_uninterrupted_run(corpus, tmp_path, reference_r
     assert losses == [loss for loss in reference if loss is not None][:4]
 
 
+def test_a_run_resumed_after_its_last_round_writes_the_same_final_line(tmp_path, reference_run):
+    """Killed during the final evaluation (after round 4's checkpoint), or resumed once
+    finished: the final line again holds round 4's train loss (before: null)."""
+    shutil.copytree(reference_run.out, tmp_path / "run")
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(lines[-1])["event"] == "final"
+    for kept in (lines, lines[:-1]):  # finished; killed before the final line
+        (tmp_path / "run" / "metrics.jsonl").write_text("".join(f"{line}\n" for line in kept))
+        config = resolve_config(None, out=str(tmp_path / "run"), resume=True)
+        resumed = train(config, progress=False)
+        assert resumed.checksum == reference_run.checksum
+        final = read_metrics(tmp_path / "run")[-1]
+        expected = json.loads(lines[-1])
+        assert final["train_loss"] is not None
+        assert {k: v for k, v in final.items() if k != "seconds"} == {
+            k: v for k, v in expected.items() if k != "seconds"
+        }
+
+
 def test_resume_from_a_checkpoint_written_before_the_driver(corpus, tmp_path, reference_run):
     """A checkpoint whose shared.pt holds the former OuterOptimizer state (steps taken, Nesterov
     buffers by parameter name) resumes to the same parameters as the uninterrupted run."""
@@ -310,6 +329,38 @@ def test_sigint_stops_and_resume_continues_exactly(corpus, tmp_path, reference_r
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     resumed = train(config.replace(resume=True), progress=False)
     assert resumed.checksum == reference_run.checksum
+
+
+def test_a_second_ctrl_c_names_the_checkpoint_to_resume_from(
+    corpus, tmp_path, reference_run, monkeypatch
+):
+    """A KeyboardInterrupt (a second Ctrl-C) mid-round 3, then one in the final evaluation:
+    each names the checkpoint --resume continues from (before: "nothing was written")."""
+    real_turn, real_evaluate, calls = rounds.worker_turn, rounds.evaluate, []
+
+    def interrupted_turn(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2 * 4 + 2:  # third round, second worker
+            raise KeyboardInterrupt
+        return real_turn(*args, **kwargs)
+
+    def interrupted_evaluate(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    config = tiny_config(corpus, tmp_path, preset="isoloco", checkpoint_every=1, eval_every=2)
+    monkeypatch.setattr(rounds, "worker_turn", interrupted_turn)
+    with pytest.raises(
+        TrainingInterrupted, match=r"at once; --resume continues from .*round-000002"
+    ):
+        train(config, progress=False)
+    monkeypatch.setattr(rounds, "worker_turn", real_turn)
+    monkeypatch.setattr(rounds, "evaluate", interrupted_evaluate)
+    with pytest.raises(TrainingInterrupted, match=r"continues from .*round-000004 \(after round 4"):
+        train(config.replace(resume=True), progress=False)
+    monkeypatch.setattr(rounds, "evaluate", real_evaluate)
+    resumed = train(config.replace(resume=True), progress=False)
+    assert resumed.checksum == reference_run.checksum
+    assert resumed.val_loss == reference_run.val_loss
 
 
 def test_extending_a_finished_run_keeps_its_history_and_its_time(corpus, tmp_path):

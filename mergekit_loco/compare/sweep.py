@@ -34,7 +34,11 @@ from mergekit_loco.compare.runs import BASELINE, FAILED_FILE, is_finished, load_
 from mergekit_loco.compare.sweep_report import SummaryRow, report_sweep
 from mergekit_loco.compare.tables import format_number
 from mergekit_loco.io.atomic import check_results_folder, claim_folder, write_atomically
-from mergekit_loco.train.checkpoint import latest_checkpoint
+from mergekit_loco.train.checkpoint import (
+    ONLY_CHECKPOINT_ADVICE,
+    CheckpointCorrupt,
+    latest_checkpoint,
+)
 from mergekit_loco.train.config import TrainConfig, preset_config
 from mergekit_loco.train.loop import train
 from mergekit_loco.train.model import check_seq_len, model_config
@@ -213,6 +217,7 @@ def run_cell(sweep: Sweep, cell: Cell, run_dir: Path, progress: bool = False) ->
     lr, or an SVD of the aggregator that does not converge) is an outcome of the cell, not an
     error of the sweep: it is recorded in ``failed.json`` and the sweep goes on (delete the
     folder to try it again). The checkpoints of a finished cell are deleted (final/ is kept).
+    A damaged only checkpoint is an error whose advice is compare's: delete the cell's folder.
     """
     resumable = latest_checkpoint(run_dir) is not None
     if resumable:  # checked as the sweep defines it, not as the saved config.json fills it in
@@ -225,6 +230,12 @@ def run_cell(sweep: Sweep, cell: Cell, run_dir: Path, progress: bool = False) ->
         if not train(config, progress=progress).finished:
             return "stopped"  # stop_after: resumes next time
         outcome = "resumed" if resumable else "ran"
+    except CheckpointCorrupt as error:
+        advice = (
+            f"this is the cell's only checkpoint: delete {run_dir} and run the same compare "
+            "command again to train the cell from the start"
+        )
+        raise CheckpointCorrupt(str(error).replace(ONLY_CHECKPOINT_ADVICE, advice)) from None
     except (FloatingPointError, torch.linalg.LinAlgError) as error:
         failure = {"error": f"{type(error).__name__}: {error}"}
         write_atomically(run_dir / FAILED_FILE, json.dumps(failure) + "\n")

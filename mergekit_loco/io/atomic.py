@@ -4,10 +4,13 @@ Two writers, one rule each:
 
 - :func:`write_atomically` for one small file (temp file in the same folder, then ``os.replace``).
 - :func:`staged_output` for everything else (a merged checkpoint, a training checkpoint, a final
-  model, a tokenizer cache): the caller fills a hidden staging folder ``.NAME.tmp-XXXX`` beside
-  the target; when the ``with`` block ends without error the ownership marker is written into
-  it and it is renamed into place. On an exception, Ctrl-C or SIGTERM the staging folder (and any
-  parent folder made for it) is removed and the target is untouched.
+  model, a tokenizer cache): the caller fills a hidden staging folder ``.NAME.tmp-HOST-PID-XXXX``
+  beside the target; when the ``with`` block ends without error the ownership marker is written
+  into it and it is renamed into place. On an exception, Ctrl-C or SIGTERM the staging folder (and
+  any parent folder made for it) is removed and the target is untouched. What a SIGKILL leaves
+  (a staging folder, or the ``.NAME.old-HOST-PID-XXXX`` of a replaced target) names the process
+  that made it: the next write of that target removes it once that process is gone
+  (:func:`clear_dead_leftovers`), or renames an old target back if the new one never landed.
 
 A folder this tool creates carries :data:`OWNER_MARKER`. :func:`check_output` decides whether an
 existing output may be replaced (``--force``): only a checkpoint and nothing else
@@ -21,8 +24,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
+import socket
 import tempfile
 import threading
 from collections.abc import Collection, Iterable, Iterator
@@ -219,7 +224,8 @@ def check_output(
     that is a symlink. ``force`` replaces only a plain checkpoint (:func:`foreign_entry`): an
     output mloco wrote to which a user added a file is refused too. Raises
     :class:`OutputExistsError` (exists, no ``force``) or :class:`OutputRefused`, naming the path
-    and what to do.
+    and what to do. What a killed writer of ``target`` left is cleared first
+    (:func:`clear_dead_leftovers`: an old target it was replacing is back in place).
     """
     target = settled(target)
     if target.name in ("", "."):  # the current folder, or the root: no name to stage beside
@@ -235,6 +241,7 @@ def check_output(
             f"{shown(target)}: the {kind} path is a symlink; refused (remove the link or choose "
             "another path)"
         )
+    clear_dead_leftovers(target)
     if not target.exists():
         return
     what = "folder" if target.is_dir() else "file"
@@ -323,16 +330,60 @@ def make_missing_dirs(folder: Path) -> list[Path]:
     return missing
 
 
+def process_tag() -> str:
+    """``HOST-PID`` of this process, for the names of its temporary paths (the host with
+    anything but letters, digits, ``_`` and ``.`` replaced, so the last ``-`` ends it)."""
+    host = re.sub(r"[^\w.]", "_", socket.gethostname())
+    return f"{host}-{os.getpid()}"
+
+
+def is_gone(host: str, pid: int) -> bool:
+    """Whether the process ``pid`` of this host has ended (another host's: never known)."""
+    if host != process_tag().rsplit("-", 1)[0]:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False
+
+
+def clear_dead_leftovers(target: Path) -> None:
+    """Remove what a killed writer of ``target`` left beside it: its staging folder
+    ``.NAME.tmp-HOST-PID-XXXX``, and the ``.NAME.old-HOST-PID-XXXX`` of a replaced target once
+    the new target is in place (if it never landed, the old one is renamed back: nothing is
+    lost). Only paths whose process, on this host, has ended; others are left alone."""
+    pattern = re.compile(rf"\.{re.escape(target.name)}\.(tmp|old)-([\w.]+)-(\d+)-\w+")
+    try:
+        entries = list(target.parent.iterdir())
+    except OSError:
+        return
+    for entry in entries:
+        found = pattern.fullmatch(entry.name)
+        if found is None or not is_gone(found[2], int(found[3])):
+            continue
+        if found[1] == "tmp":
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+        elif target.exists() or target.is_symlink():
+            remove_output(entry)
+        else:
+            os.rename(entry, target)
+
+
 def commit(built: Path, target: Path, replace: bool) -> None:
     """Rename ``built`` to ``target``. An existing target (only if ``replace``) is first renamed
-    to ``.NAME.old-<pid>`` and deleted once the new one is in place (renamed back if that fails),
-    so no failure leaves a ``.old-`` path or no target."""
+    to ``.NAME.old-HOST-PID-XXXX`` and deleted once the new one is in place (renamed back if that
+    fails), so no failure leaves a ``.old-`` path or no target (a SIGKILL may:
+    :func:`clear_dead_leftovers`)."""
     if not (target.exists() or target.is_symlink()):
         os.rename(built, target)
         return
     if not replace:
         raise OutputExistsError(f"{shown(target)}: appeared while it was being written")
-    old = target.with_name(f".{target.name}.old-{os.getpid()}-{os.urandom(4).hex()}")
+    old = target.with_name(f".{target.name}.old-{process_tag()}-{os.urandom(4).hex()}")
     os.rename(target, old)
     try:
         os.rename(built, target)
@@ -357,8 +408,11 @@ def staged_output(
     """
     target = settled(Path(target))
     created = make_missing_dirs(target.parent)
+    clear_dead_leftovers(target)
     committed = False
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    staging = Path(
+        tempfile.mkdtemp(prefix=f".{target.name}.tmp-{process_tag()}-", dir=target.parent)
+    )
     try:
         with signals_raise():
             yield staging

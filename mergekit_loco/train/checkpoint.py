@@ -17,7 +17,7 @@ renamed to ``round-XXXXXX/``, ``checkpoints/latest`` is pointed at it (temp file
 folder, never a half-written checkpoint. Multi-node runs need ``OUT`` on a shared filesystem.
 
 Only what this tool wrote is ever deleted: an entry of ``checkpoints/`` named exactly
-``round-XXXXXX`` or ``.round-XXXXXX.tmp-XXXX`` and holding the ownership marker
+``round-XXXXXX`` or ``.round-XXXXXX.tmp-HOST-PID-XXXX`` and holding the ownership marker
 (:data:`~mergekit_loco.io.atomic.OWNER_MARKER`, written into the staging folder first thing).
 A ``checkpoints/`` that is a symlink or leads outside ``OUT`` is refused (:func:`checkpoints_root`).
 
@@ -72,7 +72,7 @@ SHARED = "shared.pt"
 FILE_NAME = re.compile(r"(state\.json|global\.safetensors|shared\.pt|(worker|rng-rank)-\d{4,}\.pt)")
 ROUND_NAME = re.compile(r"round-\d{6,}")
 #: The staging folder of a save (:func:`mergekit_loco.io.atomic.staged_output`'s name for it).
-STAGING_NAME = re.compile(r"\.round-\d{6,}\.tmp-\w+")
+STAGING_NAME = re.compile(r"\.round-\d{6,}\.tmp-[\w.-]+")
 
 
 def worker_file(index: int) -> str:
@@ -277,6 +277,10 @@ def newest_checkpoint(root: Path, before: int | None = None) -> Path | None:
     return max(rounds, key=round_of, default=None)
 
 
+#: :func:`damaged_advice` for a run's only checkpoint (``mloco compare`` words it for a cell).
+ONLY_CHECKPOINT_ADVICE = "this is the only checkpoint: start over with --force instead of --resume"
+
+
 def damaged_advice(path: Path) -> str:
     """What to do about the damaged checkpoint ``path``: resume from the one before it, or,
     when it is the only one, start over."""
@@ -284,7 +288,7 @@ def damaged_advice(path: Path) -> str:
     if ROUND_NAME.fullmatch(path.name):
         earlier = newest_checkpoint(path.parent, before=round_of(path))
     if earlier is None:
-        return "this is the only checkpoint: start over with --force instead of --resume"
+        return ONLY_CHECKPOINT_ADVICE
     return f"delete this checkpoint folder to resume from {earlier.name}, the one before"
 
 
@@ -297,22 +301,25 @@ def verify(path: Path, names: Iterable[str] | None = None) -> dict[str, str]:
             raise TypeError
     except UnsafeInputError as error:
         raise CheckpointCorrupt(
-            f"checkpoint {shown(path)}: unreadable {MANIFEST} ({error})"
+            f"checkpoint {shown(path)}: unreadable {MANIFEST} ({error}); {damaged_advice(path)}"
         ) from None
     except (KeyError, TypeError):
         raise CheckpointCorrupt(
-            f'checkpoint {shown(path)}: unreadable {MANIFEST} (no "files" object)'
+            f'checkpoint {shown(path)}: unreadable {MANIFEST} (no "files" object); '
+            f"{damaged_advice(path)}"
         ) from None
     bad = next((n for n, d in files.items() if not (FILE_NAME.fullmatch(n) and is_sha256(d))), None)
     if bad is not None:
         raise CheckpointCorrupt(
             f"checkpoint {shown(path)}: {MANIFEST} lists {shown(bad)[:80]!r}, which is not a "
-            "checkpoint file with a sha256"
+            f"checkpoint file with a sha256; {damaged_advice(path)}"
         )
     for name in files if names is None else names:
         file = path / name
         if name not in files:
-            raise CheckpointCorrupt(f"checkpoint {shown(path)} lists no {name} in its manifest")
+            raise CheckpointCorrupt(
+                f"checkpoint {shown(path)} lists no {name} in its manifest; {damaged_advice(path)}"
+            )
         if not (file.exists() or file.is_symlink()):
             raise CheckpointCorrupt(
                 f"checkpoint file {shown(file)} is missing; {damaged_advice(path)}"
@@ -320,7 +327,7 @@ def verify(path: Path, names: Iterable[str] | None = None) -> dict[str, str]:
         try:
             digest = sha256_of(file)
         except UnsafeInputError as error:
-            raise CheckpointCorrupt(f"checkpoint file {error}") from None
+            raise CheckpointCorrupt(f"checkpoint file {error}; {damaged_advice(path)}") from None
         if digest != files[name]:
             raise CheckpointCorrupt(
                 f"checkpoint file {shown(file)} is corrupt (sha256 differs from {MANIFEST}); "

@@ -39,6 +39,16 @@ class RunPosition(Protocol):
 
 
 @contextmanager
+def interrupted_at_once(run: RunPosition) -> Iterator[None]:
+    """A second Ctrl-C (the first stops at the next inner step), or SIGINT to a torchrun
+    process, stops at once: say which checkpoint ``--resume`` continues from."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise TrainingInterrupted(resume_message("at once", run.last_saved, run.out)) from None
+
+
+@contextmanager
 def naming_the_last_checkpoint(run: RunPosition) -> Iterator[None]:
     """Re-raise a run's failure with the round it happened in and the checkpoint to resume
     from: divergence as TrainingDiverged, a failed collective as CollectiveFailed."""

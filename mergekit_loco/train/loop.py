@@ -28,6 +28,7 @@ from mergekit_loco.train.guards import (
     check_finite_loss,
     check_finite_val_loss,
     check_not_exploded,
+    interrupted_at_once,
     last_good_message,
     naming_the_last_checkpoint,
     parameter_norm,
@@ -72,7 +73,7 @@ def train(config: TrainConfig, progress: bool = True) -> TrainResult:
         display = ProgressDisplay(show and group.is_main, run.rounds, steps_per_round,
                                   run.start_round)  # fmt: skip
         driving = run.driver or contextlib.nullcontext()
-        with display, driving, naming_the_last_checkpoint(run):
+        with interrupted_at_once(run), display, driving, naming_the_last_checkpoint(run):
             for round_index in range(run.start_round, run.rounds):
                 run.round_number = round_index + 1
                 if stop.requested:  # between rounds: the state is that of a completed round
@@ -90,7 +91,8 @@ def train(config: TrainConfig, progress: bool = True) -> TrainResult:
                 log_round(run, train_loss, round_seconds)
                 if config.run.stop_after == run.completed:
                     break
-        return finish(run, summary=show and group.is_main)
+        with interrupted_at_once(run):
+            return finish(run, summary=show and group.is_main)
 
 
 def note_resume(run: Run, show: bool) -> None:

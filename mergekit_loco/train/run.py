@@ -266,6 +266,7 @@ def start_run(
     group.check_identical(parameter_checksum(run.global_params), "global parameters")
     claim_output(out, config, group, lock)
     run.metrics = MetricsLog(out / METRICS, group.is_main, run.start_round, rounds)
+    run.train_loss = run.metrics.resumed_train_loss
     if group.is_main:
         write_atomically(out / CONFIG, json.dumps(config.to_dict(), indent=2) + "\n")
     return run

@@ -4,6 +4,7 @@ process writes it, :mod:`mergekit_loco.io.lock`), claim, log metrics, write the 
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from mergekit_loco.io.files import UnsafeInputError, parse_json, read_lines, sho
 from mergekit_loco.io.lock import FolderLock
 from mergekit_loco.run_layout import (
     CHECKPOINTS,
+    CONFIG,
     FINAL,
     LATEST,
     METRICS,
@@ -44,7 +46,7 @@ from mergekit_loco.train.checkpoint import (
     read_state,
     reading,
 )
-from mergekit_loco.train.config import TrainConfig
+from mergekit_loco.train.config import TrainConfig, float_or_none
 from mergekit_loco.train.sources import cache_root, split_sources
 from mergekit_loco.train.workers import WorkerGroup
 
@@ -81,8 +83,14 @@ def resume_point(out: Path, config: TrainConfig) -> Path:
     with reading(checkpoint / STATE):  # a damaged config in state.json names the file
         changes = config.differences(read_state(checkpoint)["config"])
     if changes and not config.checkpoint.allow_config_change:
+        missing = ""
+        if not (out / CONFIG).exists():
+            missing = (
+                f" ({out / CONFIG} is missing, so the options not given were the defaults; "
+                f'{checkpoint / STATE} records the run\'s under "config")'
+            )
         raise ValueError(
-            f"{checkpoint} was written with another config ({'; '.join(changes)}); "
+            f"{checkpoint} was written with another config ({'; '.join(changes)}){missing}; "
             "pass the same options, or --allow-config-change to resume anyway"
         )
     return checkpoint
@@ -256,11 +264,14 @@ class MetricsLog:
     On resume the lines after the checkpoint's round are dropped, so the log of a resumed run
     reads like that of an uninterrupted one. A run extended past its end (more ``rounds`` than
     it finished) keeps its old final validation loss as an eval event of that round.
+    ``resumed_train_loss``: the train loss logged for the checkpoint's round (the final line of
+    a run resumed after its last round repeats it), None when the log does not hold it.
     """
 
     def __init__(self, path: Path, enabled: bool, keep_until_round: int, rounds: int):
         self.path = path
         self.enabled = enabled
+        self.resumed_train_loss: float | None = None
         if enabled and path.is_file():
             events = read_events(path)
             evaluated = {e["round"] for _, e in events if e.get("event") == "eval" and "round" in e}
@@ -269,6 +280,9 @@ class MetricsLog:
                 at = event.get("round", 0)
                 if at > keep_until_round:
                     continue
+                loss = float_or_none(event.get("train_loss"))
+                if event.get("event") == "round" and at == keep_until_round and loss is not None:
+                    self.resumed_train_loss = loss if math.isfinite(loss) else None
                 if event.get("event") == "final":
                     if at >= rounds or at in evaluated or "val_loss" not in event:
                         continue
