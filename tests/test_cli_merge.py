@@ -52,7 +52,9 @@ def assert_one_line_error(stderr: str, *fragments: str) -> None:
 
 
 def temp_leftovers(folder: Path) -> list[str]:
-    return [p.name for p in folder.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
+    return [
+        p.name for p in folder.iterdir() if any(k in p.name for k in (".tmp-", ".old-", ".del-"))
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -215,8 +217,13 @@ def test_what_a_sigkill_leaves_is_cleared_by_the_next_write(sharded, tmp_path):
     other_host = tmp_path / ".merged.tmp-elsewhere-1-abcd1234"
     for kept in (alive, other_host):
         kept.mkdir()
+    dead = killed.split(".tmp-")[1].rsplit("-", 1)[0]  # HOST-PID of the killed merge
+    (tmp_path / f".merged.del-{dead}-0123abcd").mkdir()  # an old output it was deleting
+    (tmp_path / f".merged.tmp-{dead.rsplit('-', 1)[0]}-{10**30}-x").mkdir()  # no such PID
     assert run_entry_point(*map(str, args)).returncode == 0
-    assert sorted(temp_leftovers(tmp_path)) == sorted([alive.name, other_host.name])
+    impossible = f".merged.tmp-{dead.rsplit('-', 1)[0]}-{10**30}-x"
+    assert sorted(temp_leftovers(tmp_path)) == sorted([alive.name, other_host.name, impossible])
+    (tmp_path / impossible).rmdir()
     first = {p.name: p.read_bytes() for p in out.iterdir()}
 
     command = [sys.executable, "-c", RENAME_KILL_SCRIPT, *map(str, args), "--scale", "0.5"]

@@ -356,6 +356,25 @@ def process_state(pid: int) -> str:
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_run_that_finished_while_a_new_one_prepared_is_not_deleted(
+    corpus, tmp_path, stopped_run, monkeypatch
+):
+    """A fresh run (no --force) checks --out, then prepares its data; meanwhile another run
+    ends in that folder (here: copied in just before this one takes the lock). Once the lock is
+    its own it checks again and is refused (before: it deleted the other run)."""
+    out = tmp_path / "run"
+    real_claim = run.claim_output
+
+    def finished_meanwhile(*args, **kwargs):
+        shutil.copytree(stopped_run, out, dirs_exist_ok=True)
+        return real_claim(*args, **kwargs)
+
+    monkeypatch.setattr(run, "claim_output", finished_meanwhile)
+    with pytest.raises(ValueError, match=r"already holds a run \(metrics\.jsonl, checkpoints"):
+        train(tiny_config(corpus, out), progress=False)
+    assert snapshot(out) == snapshot(stopped_run)
+
+
 def test_a_second_process_is_refused_a_run_folder_in_use(corpus, tmp_path, reference, capsys):
     """A run stopped (SIGSTOP) before round 2 with CKPT(1) written, and a second ``mloco train``
     into its folder, with --resume or --force (before: the resume trained rounds 2-4 beside the
@@ -378,7 +397,7 @@ def test_a_second_process_is_refused_a_run_folder_in_use(corpus, tmp_path, refer
             assert exited.value.code == 2
             assert capsys.readouterr().err == (
                 f"error: {out} is in use by another mloco process (PID {first.pid}) training "
-                "into it; wait for it to finish or stop it, then --resume\n"
+                "into it; wait for it to finish or stop it, then run the same command again\n"
             )
         assert snapshot(out) == before
         first.send_signal(signal.SIGCONT)

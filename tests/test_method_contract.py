@@ -19,6 +19,7 @@ from checkpoint_factory import load_state_dict, make_family
 from mergekit_loco.cli import main
 from mergekit_loco.dist import merge_across_ranks, plan_bytes
 from mergekit_loco.methods import METHODS, MergeMethod, get_method, parse_options
+from mergekit_loco.methods.registry import typed_options
 from mergekit_loco.task_vector import TaskVector
 
 
@@ -131,6 +132,20 @@ def test_optional_and_tuple_fields_parse(monkeypatch):
     assert parse_options("weighted", ["limit=3"]) == {"limit": 3}
     with pytest.raises(ValueError, match="'x' is not a finite number"):
         parse_options("weighted", ["weights=1,x"])
+
+
+def test_options_from_text_or_files_take_the_field_types():
+    """What train's --option and config files give (text, JSON text, lists) as merge's types."""
+    given = {"density": "0.5,0.25", "normalize": "yes", "trim": "mergekit"}
+    expected = {"density": (0.5, 0.25), "normalize": True, "trim": "mergekit"}
+    assert typed_options("ties", given) == expected
+    assert typed_options("mean", {"weights": "[3, 1]"}) == {"weights": (3, 1)}
+    assert typed_options("mean", {"weights": "null"}) == {"weights": None}
+    assert typed_options("mean", {"weights": [3, 1]}) == {"weights": (3, 1)}
+    assert typed_options("dare", {"seed": 4, "rescale": "none"}) == {"seed": 4, "rescale": "none"}
+    assert typed_options("nope", {"x": "1"}) == {"x": "1"}  # get_method names the method
+    with pytest.raises(ValueError, match="--option 'weights=1,x': 'x' is not a finite number"):
+        typed_options("mean", {"weights": "1,x"})
 
 
 def test_options_are_parsed_to_the_field_types():

@@ -345,17 +345,18 @@ def is_gone(host: str, pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return True
-    except PermissionError:  # alive, another user's
+    except (PermissionError, OverflowError):  # alive, another user's; no such PID can exist
         return False
     return False
 
 
 def clear_dead_leftovers(target: Path) -> None:
     """Remove what a killed writer of ``target`` left beside it: its staging folder
-    ``.NAME.tmp-HOST-PID-XXXX``, and the ``.NAME.old-HOST-PID-XXXX`` of a replaced target once
-    the new target is in place (if it never landed, the old one is renamed back: nothing is
-    lost). Only paths whose process, on this host, has ended; others are left alone."""
-    pattern = re.compile(rf"\.{re.escape(target.name)}\.(tmp|old)-([\w.]+)-(\d+)-\w+")
+    ``.NAME.tmp-HOST-PID-XXXX``, a replaced target it was deleting (``.NAME.del-...``), and the
+    ``.NAME.old-HOST-PID-XXXX`` of a replaced target once the new target is in place (if it never
+    landed, the old one is renamed back: nothing is lost). Only paths whose process, on this
+    host, has ended; others are left alone."""
+    pattern = re.compile(rf"\.{re.escape(target.name)}\.(tmp|old|del)-([\w.]+)-(\d+)-\w+")
     try:
         entries = list(target.parent.iterdir())
     except OSError:
@@ -367,7 +368,7 @@ def clear_dead_leftovers(target: Path) -> None:
         if found[1] == "tmp":
             if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry, ignore_errors=True)
-        elif target.exists() or target.is_symlink():
+        elif found[1] == "del" or target.exists() or target.is_symlink():
             remove_output(entry)
         else:
             os.rename(entry, target)
@@ -383,14 +384,17 @@ def commit(built: Path, target: Path, replace: bool) -> None:
         return
     if not replace:
         raise OutputExistsError(f"{shown(target)}: appeared while it was being written")
-    old = target.with_name(f".{target.name}.old-{process_tag()}-{os.urandom(4).hex()}")
+    tag = f"{process_tag()}-{os.urandom(4).hex()}"
+    old = target.with_name(f".{target.name}.old-{tag}")
     os.rename(target, old)
     try:
         os.rename(built, target)
     except BaseException:
         os.rename(old, target)
         raise
-    remove_output(old)
+    doomed = target.with_name(f".{target.name}.del-{tag}")  # .old- means: the new one not in
+    os.rename(old, doomed)
+    remove_output(doomed)
 
 
 @contextmanager

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import json
 import math
 import types
 import typing
@@ -89,7 +90,8 @@ def parse_options(name: str, pairs: Sequence[str]) -> dict[str, object]:
 def typed_options(name: str, options: Mapping[str, object]) -> dict[str, object]:
     """Options read from a command line or a config file as method ``name``'s field types: a
     string given to a field that is not a string parses as an ``--option`` value does
-    (``"0.5,0.7"`` -> ``(0.5, 0.7)``, ``"true"`` -> True, ``"none"`` -> None); a list (JSON,
+    (``"0.5,0.7"`` -> ``(0.5, 0.7)``, ``"true"`` -> True, ``"none"`` -> None) or, failing that,
+    as JSON (``"[0.5, 0.7]"``, ``"null"``: what ``train --option`` took before); a list (JSON,
     TOML, YAML) becomes a tuple. Keys the method does not take, and unknown methods, are left
     for :func:`get_method` to refuse."""
     if name not in METHODS:
@@ -99,11 +101,23 @@ def typed_options(name: str, options: Mapping[str, object]) -> dict[str, object]
     typed: dict[str, object] = {}
     for key, value in options.items():
         if key in accepted and isinstance(value, str) and not _is_a(value, kinds[key]):
-            value = _parse_value(f"{key}={value}", value.strip(), kinds[key])
-        elif isinstance(value, list):
+            value = _parse_text(key, value, kinds[key])
+        if isinstance(value, list):
             value = tuple(value)
         typed[key] = value
     return typed
+
+
+def _parse_text(key: str, text: str, kind) -> object:
+    """``text`` as ``--option`` parses it, else as JSON, else the first way's error."""
+    try:
+        return _parse_value(f"{key}={text}", text.strip(), kind)
+    except ValueError:
+        try:
+            return json.loads(text)
+        except ValueError:
+            pass
+        raise
 
 
 def _parse_value(pair: str, text: str, kind) -> object:

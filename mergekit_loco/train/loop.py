@@ -63,7 +63,7 @@ def train(config: TrainConfig, progress: bool = True) -> TrainResult:
     with (
         open_worker_group(config) as group,
         StopSignals(enabled=not group.distributed) as stop,
-        FolderLock(Path(config.run.out), "training into it", "--resume") as lock,
+        FolderLock(Path(config.run.out), "training into it", "run the same command again") as lock,
     ):
         run = start_run(config, group, lock, started)
         if group.is_main:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -192,16 +193,21 @@ def check_out_outside_inputs(out: Path, config: TrainConfig) -> None:
                 )
 
 
-def hold_output(lock: FolderLock, group: WorkerGroup) -> None:
+def hold_output(
+    lock: FolderLock, group: WorkerGroup, recheck: Callable[[], None] | None = None
+) -> None:
     """Rank 0 takes the run folder's lock (once; it creates the folder), the one process of a
     launch that does (rank 0 alone writes ``OUT`` but for its ranks' files in a checkpoint's
-    staging folder); every rank raises its failure (:class:`~mergekit_loco.io.lock.FolderInUse`,
-    a lock file that is a symlink, a filesystem without locks), so a second launch stops on each
-    with the same line."""
+    staging folder), then runs ``recheck`` (what another writer may have changed before the
+    lock was ours); every rank raises its failure (:class:`~mergekit_loco.io.lock.FolderInUse`,
+    a lock file that is a symlink, a filesystem without locks, the recheck's refusal), so a
+    second launch stops on each with the same line."""
     failure = None
     if group.is_main:
         try:
             lock.acquire()
+            if recheck is not None:
+                recheck()
         except (OSError, ValueError) as error:
             failure = error
     failure = group.broadcast(failure)
@@ -212,8 +218,11 @@ def hold_output(lock: FolderLock, group: WorkerGroup) -> None:
 def claim_output(out: Path, config: TrainConfig, group: WorkerGroup, lock: FolderLock) -> None:
     """Hold ``out``'s lock (:func:`hold_output`; a resumed run took it before reading its
     checkpoint), then let a fresh run delete a previous run's files there (``force``). Called
-    once every check has passed, so a run that cannot start leaves ``out`` as it found it."""
-    hold_output(lock, group)
+    once every check has passed, so a run that cannot start leaves ``out`` as it found it. A
+    fresh run checks ``out`` again once the lock is its own: a run that finished there while
+    this one prepared is refused without ``force``, as it would have been at the start."""
+    fresh = not config.checkpoint.resume
+    hold_output(lock, group, (lambda: check_output(out, config)) if fresh else None)
     if group.is_main and not config.checkpoint.resume:
         clear_previous_run(out)
     group.barrier()
