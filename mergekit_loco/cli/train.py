@@ -21,6 +21,7 @@ from mergekit_loco.cli.common import (
     user_errors,
 )
 from mergekit_loco.cli.threads import choose_threads
+from mergekit_loco.option_text import option_pairs
 from mergekit_loco.run_layout import check_output_parent, check_resumable
 from mergekit_loco.train.config import (
     DEFAULT_TOKENS,
@@ -46,18 +47,10 @@ def parse_aggregator_options(pairs: list[str], flags: dict[str, object]) -> dict
     merge's ``--option`` values do, once the aggregator is known (``OuterConfig``). A key given
     twice, or also as a flag, is refused."""
     options = {key: value for key, value in flags.items() if value is not None}
-    seen = set()
-    for pair in pairs:
-        key, separator, text = pair.partition("=")
-        key = key.strip().replace("-", "_")
-        if not separator or not key:
-            raise ValueError(f"--option {pair!r}: expected KEY=VALUE, e.g. density=0.3")
-        if key in seen:
-            raise ValueError(f"--option {pair!r}: {key!r} is given twice")
+    for pair, key, text in option_pairs(pairs):
         if key in options:
             raise ValueError(f"--option {pair!r}: {key!r} is also given as a flag")
-        seen.add(key)
-        options[key] = text.strip()
+        options[key] = text
     return options
 
 

@@ -19,6 +19,7 @@ from mergekit_loco.methods.mean import Mean
 from mergekit_loco.methods.ta import TaskArithmetic
 from mergekit_loco.methods.ties import Ties
 from mergekit_loco.methods.tsv import Tsv
+from mergekit_loco.option_text import option_pairs
 
 METHODS: dict[str, type[MergeMethod]] = {
     cls.name: cls for cls in (Mean, TaskArithmetic, Ties, Dare, Breadcrumbs, Tsv, IsoC, IsoCts)
@@ -73,17 +74,11 @@ def parse_options(name: str, pairs: Sequence[str]) -> dict[str, object]:
     types = typing.get_type_hints(METHODS[name])
     accepted = METHODS[name].parameter_names()
     options: dict[str, object] = {}
-    for pair in pairs:
-        key, equals, text = pair.partition("=")
-        key = key.strip().replace("-", "_")
-        if not equals or not key:
-            raise ValueError(f"--option {pair!r}: expected KEY=VALUE, e.g. density=0.3")
+    for pair, key, text in option_pairs(pairs):
         if key not in accepted:
             takes = ", ".join(accepted) if accepted else "no parameters"
             raise ValueError(f"--option {pair!r}: method {name!r} does not take {key!r} ({takes})")
-        if key in options:
-            raise ValueError(f"--option {pair!r}: {key!r} is given twice")
-        options[key] = _parse_value(pair, text.strip(), types[key])
+        options[key] = _parse_value(pair, text, types[key])
     return options
 
 
