@@ -235,8 +235,8 @@ def test_muon_inner_optimizer_trains(corpus, tmp_path):
 
 
 def test_inner_adamw_steps_the_bits_of_torchs_per_tensor_loop(corpus, tmp_path):
-    """The foreach path keeps the published runs' numbers: 5 steps equal torch's default CPU
-    AdamW (foreach off) bit for bit."""
+    """The inner AdamW keeps the published runs' numbers: 5 steps equal torch's per-tensor CPU
+    AdamW (foreach off) bit for bit (fused would not: benchmarks/inner_optimizer_bench.py)."""
     config = tiny_config(corpus, tmp_path, tokens=2048)
     models = [build_model(model_config("micro", 512), seed=0) for _ in range(2)]
     (ours,) = InnerOptimizer(models[0], config, total_steps=8).optimizers

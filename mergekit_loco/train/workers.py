@@ -43,8 +43,7 @@ class InnerOptimizer:
     ``adamw``: AdamW(betas, weight_decay) on every parameter. ``muon``: torch.optim.Muon on the
     hidden 2-D matrices, not the embeddings nor the output head (lr matched to AdamW's RMS, so
     the same ``inner_lr`` works), and AdamW on the rest. All optimizers act on the shared
-    compute model's parameters; each instance keeps its own state. AdamW runs its foreach
-    (multi-tensor) path: on CPU the same bits as torch's default per-tensor loop, in less time.
+    compute model's parameters; each instance keeps its own state.
     """
 
     def __init__(self, model: torch.nn.Module, config: TrainConfig, total_steps: int):
@@ -63,7 +62,6 @@ class InnerOptimizer:
                     lr=config.inner.lr,
                     betas=config.inner.betas,
                     weight_decay=config.inner.weight_decay,
-                    foreach=True,
                 )
             )
         if muon_params:
