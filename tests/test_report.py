@@ -592,6 +592,34 @@ def test_protocol_publish_copies_ended_runs_small_files_only(tmp_path, capsys):
         assert (docs / name).read_bytes() == (stage / name).read_bytes()
 
 
+def test_protocol_restore_makes_published_cells_finished_in_a_new_work_folder(tmp_path, capsys):
+    """publish, then restore on a machine without the work folder: the same small files, every
+    stage and run folder marked ours, finished cells finished, a file already there kept."""
+    from mergekit_loco.io.atomic import marked_kind
+
+    decide = load_script("aggregators_tuned")
+    stage = tmp_path / "work" / "inner" / "lr1e-3"
+    write_run(stage, "dp-s9", "dp", 1, 9, 3.5)
+    write_run(stage, "diloco-R2-s9", "diloco", 2, 9, None)  # unfinished: never published
+    (stage / "eval_noise.json").write_text("[]")
+    docs = tmp_path / "docs"
+    assert decide.main(["publish", str(stage), str(docs / "inner" / "lr1e-3")]) == 0
+    new = tmp_path / "new"
+    (new / "inner" / "lr1e-3").mkdir(parents=True)
+    (new / "inner" / "lr1e-3" / "eval_noise.json").write_text("[1]")
+    capsys.readouterr()
+    assert decide.main(["restore", str(docs), str(new)]) == 0
+    assert capsys.readouterr().out == f"{new}: 1 stages, 2 files copied, 1 already there (kept)\n"
+    restored = new / "inner" / "lr1e-3"
+    assert (restored / "eval_noise.json").read_text() == "[1]"
+    assert runs.is_finished(restored / "runs" / "dp-s9")
+    assert not (restored / "runs" / "diloco-R2-s9").exists()
+    assert marked_kind(restored) == "compare sweep"
+    assert marked_kind(restored / "runs" / "dp-s9") == "training run"
+    assert decide.main(["restore", str(tmp_path / "empty"), str(new)]) == 1
+    assert "no published stage" in capsys.readouterr().err
+
+
 def test_protocol_compute_sums_round_seconds(tmp_path, capsys):
     """Core-hours of a stage: the rounds' own seconds of every run, whatever the run resumed."""
     decide = load_script("aggregators_tuned")

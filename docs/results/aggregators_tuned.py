@@ -7,6 +7,7 @@
     python docs/results/aggregators_tuned.py compute STAGE_DIR...
     python docs/results/aggregators_tuned.py table TUNE_DIR
     python docs/results/aggregators_tuned.py publish STAGE_DIR DOCS_DIR
+    python docs/results/aggregators_tuned.py restore DOCS_DIR WORK_DIR
 
 Each prints its answer on stdout (what the script passes on) and its reasoning on stderr, and
 exits with 1 when the answer cannot be given yet (a curve not flat, an optimum on a grid edge):
@@ -32,6 +33,7 @@ from mergekit_loco.compare.runs import (
     read_run_config,
 )
 from mergekit_loco.compare.sweep_report import TUNED_FILE, summarize
+from mergekit_loco.io.atomic import mark_output
 
 
 def say(text: str) -> None:
@@ -277,6 +279,35 @@ def publish(folder: str, destination: str) -> int:
     return 0
 
 
+def restore(published: str, work: str) -> int:
+    """Copy the published stages under ``published`` (every folder holding ``runs/``) into
+    ``work``, marked as mergekit_loco's sweep and run folders, so that rerunning the protocol
+    there skips their finished cells. A file already in ``work`` is kept, never overwritten."""
+    source, target = Path(published), Path(work)
+    stages = sorted(folder.parent for folder in source.rglob(run_layout.SWEEP_RUNS))
+    if not stages:
+        say(f"{published}: no published stage (no folder holds {run_layout.SWEEP_RUNS}/)")
+        return 1
+    copied = kept = 0
+    for path in sorted(source.rglob("*")):
+        if not path.is_file():
+            continue
+        destination = target / path.relative_to(source)
+        if destination.exists():
+            kept += 1
+            continue
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, destination)
+        copied += 1
+    for stage in stages:
+        sweep = target / stage.relative_to(source)
+        mark_output(sweep, run_layout.SWEEP_KIND)
+        for run in (sweep / run_layout.SWEEP_RUNS).iterdir():
+            mark_output(run, run_layout.RUN_KIND)
+    print(f"{work}: {len(stages)} stages, {copied} files copied, {kept} already there (kept)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -293,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     found = commands.add_parser("publish")
     found.add_argument("folder")
     found.add_argument("destination")
+    found = commands.add_parser("restore")
+    found.add_argument("published")
+    found.add_argument("work")
     arguments = parser.parse_args(argv)
     if arguments.command == "horizon":
         return horizon(arguments.folder, arguments.tolerance)
@@ -306,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
         return table(arguments.folder)
     if arguments.command == "publish":
         return publish(arguments.folder, arguments.destination)
+    if arguments.command == "restore":
+        return restore(arguments.published, arguments.work)
     return flags(arguments.folder, arguments.aggregators)
 
 

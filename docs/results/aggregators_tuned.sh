@@ -5,6 +5,9 @@
 # rerun this script to resume (finished cells are skipped); it stops where a decision cannot be
 # made yet (a curve that is not flat, an optimum on a grid edge) and says what to extend.
 # Usage: bash docs/results/aggregators_tuned.sh [WORK_DIR]
+# On a machine without the work folder, resume from the published data first (its finished
+# cells are then skipped): python docs/results/aggregators_tuned.py restore \
+#   docs/results/aggregators_tuned WORK_DIR
 set -euo pipefail
 export OMP_NUM_THREADS=1
 WORK="${1:-results/aggregators_tuned}"
@@ -44,11 +47,17 @@ TOKENS=$(decide horizon "$WORK/horizon")
 
 # 2. Evaluation noise: the baseline's and DiLoCo's final models on the 8 disjoint 32,768-token
 #    parts of the shared validation set; the sd / sqrt(8) of their per-part difference is the
-#    noise of one paired comparison on the whole set (printed, saved in eval_noise.json).
-mloco eval "$WORK/horizon/runs/dp-s${TUNING_SEED%,}/final" \
-  "$WORK/horizon/runs/diloco-R8-H10-s${TUNING_SEED%,}/final" --data stdlib+torchsrc \
-  --tokens 32768 --val-sets 8 --seed 1000 --json > "$WORK/eval_noise.json"
-decide noise "$WORK/eval_noise.json"
+#    noise of one paired comparison on the whole set (printed, saved in the horizon stage's
+#    eval_noise.json). Measured once: a rerun reuses it (a work folder restored from the
+#    published data has it, and not the final models it was measured on).
+NOISE="$WORK/horizon/eval_noise.json"
+if [[ ! -s "$NOISE" ]]; then
+  mloco eval "$WORK/horizon/runs/dp-s${TUNING_SEED%,}/final" \
+    "$WORK/horizon/runs/diloco-R8-H10-s${TUNING_SEED%,}/final" --data stdlib+torchsrc \
+    --tokens 32768 --val-sets 8 --seed 1000 --json > "$NOISE.tmp"
+  mv "$NOISE.tmp" "$NOISE"
+fi
+decide noise "$NOISE"
 
 # 3. One inner AdamW setting for every aggregator: the lr best for dp and DiLoCo (R = 2, 8).
 #    Each lr is its own sweep of 3 cells; two streams of sweeps, one job each, keep both
