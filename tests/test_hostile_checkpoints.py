@@ -183,6 +183,24 @@ def test_out_of_range_options_are_one_line(capsys, tmp_path, option, fragment):
     assert snapshot(tmp_path) == before
 
 
+def test_resume_drops_the_torn_last_line_of_a_killed_run(capsys, tmp_path, corpus, stopped):
+    """A run killed while appending to metrics.jsonl leaves a last line with no line ending
+    that is not JSON: resume drops it (before, it refused the run as damaged) and the log
+    reads like an uninterrupted run's."""
+    run = tmp_path / "run"
+    shutil.copytree(stopped, run)
+    kept = (run / "metrics.jsonl").read_text()
+    with open(run / "metrics.jsonl", "a") as handle:
+        handle.write('{"event": "round", "round": 2, "train_lo')
+    code, err, _ = run_cli(capsys, "train", *TRAIN, f"--data={corpus}", f"--out={run}", "--resume")
+    assert code in (0, None), err
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    events = [json.loads(line) for line in lines]  # every line is JSON again
+    assert "\n".join(lines).startswith(kept.rstrip("\n"))
+    assert [e["round"] for e in events if e.get("event") == "round"] == [1, 2]
+    assert events[-1]["event"] == "final"
+
+
 @pytest.mark.parametrize(("file", "content", "fragment"), [
     ("metrics.jsonl", '{"event": "round", "round": 1}\n[1, 2\n', "metrics.jsonl:2: not valid JSON"),
     ("metrics.jsonl", '{"event": "round", "round": "one"}\n', "not a metrics event"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -243,9 +244,11 @@ def save_final(folder: Path, model: torch.nn.Module, tokenizer: PreTrainedTokeni
 def read_events(path: Path) -> list[tuple[str, dict]]:
     """The non-empty lines of ``metrics.jsonl`` with their JSON objects, streamed; a line that
     is not a JSON object with an integer round, or is longer than ``MAX_EVENT_BYTES``, is an
-    error naming the file and line."""
+    error naming the file and line, except the torn write of a killed run (a last line with no
+    line ending that is not JSON), which is dropped."""
     events = []
-    lines = read_lines(path, MAX_METRICS_BYTES, "metrics file", MAX_EVENT_BYTES)
+    lines = list(read_lines(path, MAX_METRICS_BYTES, "metrics file", MAX_EVENT_BYTES))
+    torn = len(lines) if not ends_a_line(path) else 0
     for number, line in enumerate(lines, start=1):
         where = f"{shown(path)}:{number}"
         if line is None:
@@ -255,11 +258,22 @@ def read_events(path: Path) -> list[tuple[str, dict]]:
         try:
             event = parse_json(line, where)
         except UnsafeInputError as error:
+            if number == torn:
+                continue
             raise ValueError(f"{error}; a damaged metrics log (fix or delete that line)") from None
         if not isinstance(event, dict) or type(event.get("round", 0)) is not int:
             raise ValueError(f"{where}: not a metrics event (a JSON object)")
         events.append((line.decode(), event))
     return events
+
+
+def ends_a_line(path: Path) -> bool:
+    """``path`` is empty or its last byte is a line ending."""
+    with open(path, "rb") as handle:
+        if not handle.seek(0, os.SEEK_END):
+            return True
+        handle.seek(-1, os.SEEK_END)
+        return handle.read(1) in (b"\n", b"\r")
 
 
 #: Bounds on ``metrics.jsonl`` read on resume (a run writes a few hundred bytes a round).
