@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
@@ -11,6 +11,92 @@ import torch
 
 from mergekit_loco.methods.plan import Plan
 from mergekit_loco.task_vector import TaskVector
+
+
+def check_implemented(method: MergeMethod) -> None:
+    """Raise ``TypeError`` naming the class unless ``method`` has a ``name`` (a non-empty str:
+    messages, summaries and the registry use it) and its math: the sum contract
+    (:meth:`~MergeMethod.local_term` and :meth:`~MergeMethod.finish`) or its own
+    :meth:`~MergeMethod.merge_tensor`."""
+    kind = type(method)
+    name = getattr(method, "name", None)
+    if not isinstance(name, str) or not name:
+        raise TypeError(
+            f"{kind.__name__}: a merge method needs a name, a non-empty str (a class attribute: "
+            f'name = "my-method"), not {name!r}'
+        )
+    if method.is_sum() and kind.finish is MergeMethod.finish:
+        raise TypeError(f"{name}: declares local_term but not finish (merged = finish(sum))")
+    if not method.is_sum() and kind.merge_tensor is MergeMethod.merge_tensor:
+        raise TypeError(
+            f"{name}: declare local_term and finish (merged = finish(sum_t local_term(tau_t, "
+            "t))), or merge_tensor"
+        )
+
+
+def check_deltas(
+    method: str, name: str, deltas: Sequence[torch.Tensor], label: str = "delta"
+) -> None:
+    """The one check of the deltas of tensor ``name`` that every merge runs (``label``: what
+    each delta is to the caller, ``delta`` or ``task vector``): ``TypeError`` unless they are a
+    list of tensors; ``ValueError`` naming the tensor for none, for two of different shapes
+    (nothing is broadcast or flattened), for one that is not floating, or for dtypes without a
+    promoted dtype (8-bit floats). Compares types and shapes only."""
+    if isinstance(deltas, torch.Tensor) or not isinstance(deltas, Sequence):
+        raise TypeError(
+            f"{method}: the deltas of tensor {name!r} must be a list of tensors (one per task), "
+            f"not a {type(deltas).__name__}"
+        )
+    if not deltas:
+        raise ValueError(f"{method}: no deltas to merge for tensor {name!r}")
+    shape = None
+    for index, delta in enumerate(deltas, start=1):
+        if not isinstance(delta, torch.Tensor):
+            raise TypeError(
+                f"{method}: {label} {index} of tensor {name!r} is a {type(delta).__name__}, "
+                "not a torch.Tensor"
+            )
+        if shape is None:
+            shape = delta.shape
+        elif delta.shape != shape:
+            raise ValueError(
+                f"{method}: tensor {name!r} is {list(delta.shape)} in {label} {index} but "
+                f"{list(shape)} in {label} 1"
+            )
+        if not delta.is_floating_point():
+            raise ValueError(
+                f"{method}: tensor {name!r} of {label} {index} is {delta.dtype}: only floating "
+                "deltas are merged (integer tensors are copied from a base, as "
+                "merge_checkpoints does)"
+            )
+    try:
+        promoted_dtype(deltas)
+    except RuntimeError:
+        dtypes = " and ".join(sorted({str(delta.dtype) for delta in deltas}))
+        raise ValueError(
+            f"{method}: tensor {name!r} is {dtypes}, which have no common dtype"
+        ) from None
+
+
+def checks_deltas(merge_tensor: Callable) -> Callable:
+    """``merge_tensor`` behind the one validation point of every method: :func:`check_implemented`,
+    :func:`check_deltas` and :meth:`~MergeMethod.check_tasks`, then the deltas in their promoted
+    dtype (:func:`in_one_dtype`) and detached (a delta is data, not an autograd graph). Costs a
+    type and shape comparison per delta; deltas of one dtype that need no grad pass as given."""
+    if getattr(merge_tensor, "checks_deltas", False):
+        return merge_tensor
+
+    @functools.wraps(merge_tensor)
+    def checked(self: MergeMethod, name: str, deltas: Sequence[torch.Tensor]) -> torch.Tensor:
+        check_implemented(self)
+        check_deltas(self.name, name, deltas)
+        self.check_tasks(len(deltas))
+        if any(delta.requires_grad for delta in deltas):
+            deltas = [delta.detach() for delta in deltas]
+        return merge_tensor(self, name, in_one_dtype(deltas))
+
+    checked.checks_deltas = True  # type: ignore[attr-defined]
+    return checked
 
 
 @dataclass(frozen=True)
@@ -32,6 +118,13 @@ class MergeMethod:
     #: once per tensor, on the tensor's owner rank, instead of on every rank.
     finish_on_owner: ClassVar[bool] = False
 
+    def __init_subclass__(cls, **kwargs):
+        """A subclass's own :meth:`merge_tensor` runs behind :func:`checks_deltas`, so every
+        method, built in or not, validates its deltas at one point."""
+        super().__init_subclass__(**kwargs)
+        if "merge_tensor" in vars(cls):
+            cls.merge_tensor = checks_deltas(vars(cls)["merge_tensor"])
+
     # -- the sum contract ---------------------------------------------------------------------
     def local_term(self, name: str, delta: torch.Tensor, worker_index: int) -> torch.Tensor:
         """``h(tau_t, t)`` for worker/task ``t = worker_index`` (global 0-based index)."""
@@ -49,13 +142,16 @@ class MergeMethod:
         """Whether the method fulfils the sum contract (declares :meth:`local_term`)."""
         return type(self).local_term is not MergeMethod.local_term
 
+    @checks_deltas
     def merge_tensor(self, name: str, deltas: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Merge the T deltas of tensor ``name`` (equal shapes) into one (in their dtype)."""
-        if not self.is_sum():
-            raise NotImplementedError(
-                f"{self.name}: declare local_term and finish, or merge_tensor"
-            )
-        self.check_tasks(len(deltas))
+        """Merge the T deltas of tensor ``name`` into one, in the dtype they promote to.
+
+        Every method's ``merge_tensor`` runs behind :func:`checks_deltas`: ``TypeError`` for a
+        method without a name or math (:func:`check_implemented`) or deltas that are not a list
+        of tensors, ``ValueError`` naming the tensor for no deltas, deltas of different shapes
+        or not floating, or per-task options of another length; deltas of mixed dtypes are
+        cast to their promoted dtype and deltas that require grad are detached.
+        """
         terms = (self.local_term(name, delta, index) for index, delta in enumerate(deltas))
         return self.finish(name, sum_of(terms), len(deltas)).to(deltas[0].dtype)
 
@@ -92,19 +188,29 @@ class MergeMethod:
         ``round_index`` (0-based). Default: itself."""
         return self
 
-    def merge(self, task_vectors: Sequence[TaskVector]) -> TaskVector:
-        """Merge whole task vectors, one tensor name at a time; deltas of one name in different
-        floating dtypes are merged in their promoted dtype (whatever the order). Before any
-        compute, raises TypeError for anything but a sequence of mappings, KeyError for a name
-        not in every task vector, and ValueError, naming the tensor, for deltas of different
-        shapes or a delta that is not floating (integer tensors are never merged)."""
-        if isinstance(task_vectors, Mapping) or not all(
-            isinstance(tv, Mapping) for tv in task_vectors
+    def merge(self, task_vectors: Iterable[TaskVector]) -> TaskVector:
+        """Merge whole task vectors, one tensor name at a time (:meth:`merge_tensor`); deltas of
+        one name in different floating dtypes are merged in their promoted dtype (whatever the
+        order). ``task_vectors``: a list, or any iterable (read once). Before any compute,
+        raises TypeError for anything but mappings, KeyError for a name not in every task
+        vector, and ValueError, naming the tensor, for deltas of different shapes or a delta
+        that is not floating (integer tensors are never merged): :func:`check_deltas` for
+        every name."""
+        check_implemented(self)
+        if isinstance(task_vectors, Mapping | torch.Tensor) or not isinstance(
+            task_vectors, Iterable
         ):
             raise TypeError(
                 f"{self.name}: merge takes a list of TaskVectors (merge([tau_1, tau_2, ...])), "
-                f"not {type(task_vectors).__name__}"
+                f"not a {type(task_vectors).__name__}"
             )
+        task_vectors = list(task_vectors)
+        for index, tv in enumerate(task_vectors, start=1):
+            if not isinstance(tv, Mapping):
+                raise TypeError(
+                    f"{self.name}: task vector {index} is a {type(tv).__name__}, not a "
+                    "TaskVector (a mapping of tensor name -> delta)"
+                )
         if not task_vectors:
             raise ValueError(f"{self.name}: no task vectors to merge")
         self.check_tasks(len(task_vectors))
@@ -113,24 +219,11 @@ class MergeMethod:
             if set(other) != set(first):
                 missing = sorted(set(first) ^ set(other))[0]
                 raise KeyError(f"task vector {index} and task vector 1 differ at {missing!r}")
-            for name, delta in first.items():
-                if other[name].shape != delta.shape:
-                    raise ValueError(
-                        f"{self.name}: tensor {name!r} is {list(other[name].shape)} in task "
-                        f"vector {index} but {list(delta.shape)} in task vector 1"
-                    )
-        for index, tv in enumerate(task_vectors, start=1):
-            for name, delta in tv.items():
-                if not delta.is_floating_point():
-                    raise ValueError(
-                        f"{self.name}: tensor {name!r} of task vector {index} is {delta.dtype}: "
-                        "only floating deltas are merged (integer tensors are copied from a "
-                        "base, as merge_checkpoints does)"
-                    )
+        for name in first:
+            check_deltas(self.name, name, [tv[name] for tv in task_vectors], "task vector")
         return TaskVector(
-            {name: self.merge_tensor(name, in_one_dtype([tv[name] for tv in task_vectors]))
-             for name in first}
-        )  # fmt: skip
+            {name: self.merge_tensor(name, [tv[name] for tv in task_vectors]) for name in first}
+        )
 
     @classmethod
     def parameter_names(cls) -> list[str]:
@@ -195,8 +288,11 @@ def promoted_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype:
     return functools.reduce(torch.promote_types, sorted({t.dtype for t in tensors}, key=str))
 
 
-def in_one_dtype(deltas: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``deltas`` cast to their :func:`promoted_dtype` (float32 and float64 deltas: float64)."""
+def in_one_dtype(deltas: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+    """``deltas`` cast to their :func:`promoted_dtype` (float32 and float64 deltas: float64);
+    ``deltas`` themselves when they share one dtype."""
+    if all(delta.dtype == deltas[0].dtype for delta in deltas):
+        return deltas
     dtype = promoted_dtype(deltas)
     return [delta.to(dtype) for delta in deltas]
 

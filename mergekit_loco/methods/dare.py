@@ -109,7 +109,6 @@ class Dare(MergeMethod):
         if not self.consensus:
             return super().merge_tensor(name, deltas)
         count = len(deltas)
-        self.check_tasks(count)
         weights = task_weights(self.name, self.weights, count) or (1 / count,) * count
         dropped = [self.drop(name, delta, index).reshape(-1) for index, delta in enumerate(deltas)]
         return sign_consensus_merge(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import numbers
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -147,9 +148,16 @@ _BOOLEANS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "
 def get_method(name: str, **params) -> MergeMethod:
     """``get_method("ties", density=0.3)``: the method named ``name`` with its parameters.
 
-    Unknown names and parameters the method does not take raise ``ValueError`` saying what is
-    accepted; out-of-range values raise ``ValueError`` from the method itself.
+    ``name`` is a str (else ``TypeError``). Unknown names and parameters the method does not
+    take raise ``ValueError`` saying what is accepted; out-of-range values raise ``ValueError``
+    from the method itself. A number field takes any real number (``numbers.Real``, not a bool:
+    numpy's too), held as a Python float or int.
     """
+    if not isinstance(name, str):
+        raise TypeError(
+            f"get_method: the method name must be a str, one of {', '.join(METHODS)}; not a "
+            f"{type(name).__name__} ({brief(name)})"
+        )
     if name not in METHODS:
         raise unknown_method(name)
     cls = METHODS[name]
@@ -164,7 +172,7 @@ def get_method(name: str, **params) -> MergeMethod:
             raise ValueError(
                 f"method {name!r}: {key} must be {_describe(kinds[key])}, not {brief(value)}"
             )
-    return cls(**params)
+    return cls(**{key: _as_python(value, kinds[key]) for key, value in params.items()})
 
 
 def _is_a(value: object, kind) -> bool:
@@ -179,13 +187,28 @@ def _is_a(value: object, kind) -> bool:
         return value is None
     if kind is float:  # finite: no parameter takes NaN or an infinity
         return (
-            isinstance(value, int | float)
+            isinstance(value, numbers.Real)
             and not isinstance(value, bool)
-            and (isinstance(value, int) or math.isfinite(value))
+            and (isinstance(value, numbers.Integral) or math.isfinite(value))
         )
     if kind is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
     return isinstance(value, kind)
+
+
+def _as_python(value: object, kind) -> object:
+    """``value`` (one :func:`_is_a` ``kind`` accepts) with numbers of other types (numpy's)
+    as Python floats and ints, item by item in a tuple."""
+    origin, arguments = typing.get_origin(kind), typing.get_args(kind)
+    if origin in (typing.Union, types.UnionType):
+        return _as_python(value, next(a for a in arguments if _is_a(value, a)))
+    if origin is tuple:
+        return tuple(_as_python(item, arguments[0]) for item in value)
+    if kind is float and type(value) not in (int, float):
+        return float(value)
+    if kind is int and type(value) is not int:
+        return int(value)
+    return value
 
 
 def _describe(kind) -> str:
