@@ -9,6 +9,7 @@ from __future__ import annotations
 import numbers
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -21,11 +22,21 @@ def is_mergeable(tensor: torch.Tensor) -> bool:
 class TaskVector(Mapping[str, torch.Tensor]):
     """Ordered ``name -> delta`` mapping with vector-space arithmetic.
 
-    ``TaskVector(mapping)`` wraps any name -> tensor mapping (no copy). Arithmetic returns new
-    TaskVectors: ``a + b``, ``a - b``, ``c * a``, ``-a`` (``c`` a real number). Keys and each
-    tensor's shape must match exactly (KeyError / ValueError naming the tensor; nothing is
-    broadcast). Raises TypeError, naming the key, for a value that is not a tensor.
+    ``TaskVector(mapping)`` wraps any name -> tensor mapping (no copy of the data). A delta is
+    data, not an autograd graph: each tensor is held detached (``delta.detach()``, the same
+    memory), so a task vector of ``model.named_parameters()`` needs no grad and keeps no graph.
+    Arithmetic returns new TaskVectors: ``a + b``, ``a - b``, ``c * a``, ``-a`` (``c`` a real
+    number). Keys and each tensor's shape must match exactly (KeyError / ValueError naming the
+    tensor; nothing is broadcast). Raises TypeError, naming the key, for a value that is not a
+    tensor.
+
+    Equality is identity, as for ``torch.nn.Module``: ``a == b`` only if ``a is b`` (comparing
+    tensors has no single truth value), so task vectors hash, and ``a in [a, b]`` or a dict
+    keyed by task vectors work. Compare contents with ``torch.equal`` tensor by tensor.
     """
+
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
 
     def __init__(self, deltas: Mapping[str, torch.Tensor]):
         if not isinstance(deltas, Mapping):
@@ -33,13 +44,15 @@ class TaskVector(Mapping[str, torch.Tensor]):
                 f"TaskVector takes a mapping of tensor name -> delta tensor, not a "
                 f"{type(deltas).__name__}"
             )
-        self._deltas: dict[str, torch.Tensor] = dict(deltas)
-        for name, delta in self._deltas.items():
+        for name, delta in deltas.items():
             if not isinstance(delta, torch.Tensor):
                 raise TypeError(
                     f"TaskVector: the delta of {name!r} is a {type(delta).__name__}, not a "
                     "torch.Tensor"
                 )
+        self._deltas: dict[str, torch.Tensor] = {
+            name: delta.detach() for name, delta in deltas.items()
+        }
 
     # -- construction -------------------------------------------------------------------------
     @classmethod
@@ -49,7 +62,15 @@ class TaskVector(Mapping[str, torch.Tensor]):
         base: Mapping[str, torch.Tensor],
         dtype: torch.dtype = torch.float32,
     ) -> TaskVector:
-        """``tau = finetuned - base`` over the floating tensors, computed in ``dtype``."""
+        """``tau = finetuned - base`` over the floating tensors of ``base``, computed in
+        ``dtype`` (a floating ``torch.dtype``). Raises TypeError for a ``dtype`` that is not a
+        torch.dtype or a value that is not a tensor (naming it), ValueError for an integer
+        ``dtype`` or another shape, KeyError for a tensor of the base missing from
+        ``finetuned``."""
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"from_state_dicts: dtype must be a torch.dtype, not {dtype!r}")
+        if not dtype.is_floating_point:
+            raise ValueError(f"from_state_dicts: dtype must be floating point, not {dtype}")
         missing = [name for name in base if name not in finetuned]
         if missing:
             raise KeyError(
@@ -57,6 +78,12 @@ class TaskVector(Mapping[str, torch.Tensor]):
             )
         deltas = {}
         for name, base_tensor in base.items():
+            for whose, tensor in (("base", base_tensor), ("fine-tuned model", finetuned[name])):
+                if not isinstance(tensor, torch.Tensor):
+                    raise TypeError(
+                        f"from_state_dicts: tensor {name!r} of the {whose} is a "
+                        f"{type(tensor).__name__}, not a torch.Tensor"
+                    )
             if not is_mergeable(base_tensor):
                 continue
             tuned = finetuned[name]
@@ -120,9 +147,11 @@ class TaskVector(Mapping[str, torch.Tensor]):
     def __neg__(self) -> TaskVector:
         return self * -1.0
 
-    def to(self, dtype: torch.dtype | None = None, device: str | torch.device | None = None):
-        """Cast / move every delta."""
-        return TaskVector({n: d.to(device=device, dtype=dtype) for n, d in self._deltas.items()})
+    def to(self, *args: Any, **kwargs: Any) -> TaskVector:
+        """Every delta's ``delta.to(*args, **kwargs)``: as ``torch.Tensor.to``, a dtype, a device
+        or both, positional or by keyword (``tau.to("cuda")``, ``tau.to(torch.bfloat16)``,
+        ``tau.to(device="cpu", dtype=torch.float64)``)."""
+        return TaskVector({n: d.to(*args, **kwargs) for n, d in self._deltas.items()})
 
     def apply_to(
         self, base: Mapping[str, torch.Tensor], scale: float = 1.0
@@ -130,7 +159,15 @@ class TaskVector(Mapping[str, torch.Tensor]):
         """``theta = base + scale * tau`` in float32 at least (float64 if the base or the delta is),
         returned in the base's dtype. Base tensors without a delta (integer buffers) are copied
         unchanged. KeyError for a delta whose name the base lacks, ValueError for a delta of
-        another shape than its base tensor (both naming the tensor)."""
+        another shape than its base tensor (both naming the tensor); TypeError for a base that
+        is not a mapping or a ``scale`` that is not a real number."""
+        if not isinstance(base, Mapping):
+            raise TypeError(
+                f"apply_to: base must map tensor names to tensors (a state_dict), not a "
+                f"{type(base).__name__}"
+            )
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+            raise TypeError(f"apply_to: scale must be a real number, not {scale!r}")
         unknown = [name for name in self._deltas if name not in base]
         if unknown:
             raise KeyError(f"apply_to: the base has no tensor {unknown[0]!r} (a delta names it)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -148,3 +149,64 @@ def test_apply_to_inverts_from_state_dicts():
     rebuilt = tv.apply_to(base)
     for name in base:
         torch.testing.assert_close(rebuilt[name], tuned[name])
+
+
+def test_a_task_vector_of_parameters_is_data_without_a_graph():
+    """``from_state_dicts(named_parameters)`` used to hold deltas that required grad (Iso-CTS
+    then raised on them, TIES warned): every delta is detached, with the same values."""
+    generator = torch.Generator().manual_seed(3)
+    base, tuned = (torch.nn.Linear(3, 4) for _ in range(2))
+    with torch.no_grad():
+        for module in (base, tuned):
+            for param in module.parameters():
+                param.copy_(torch.randn(param.shape, generator=generator))
+    tv = TaskVector.from_state_dicts(dict(tuned.named_parameters()), dict(base.named_parameters()))
+    by_hand = {n: (p - base.state_dict()[n]).detach() for n, p in tuned.named_parameters()}
+    for name, delta in tv.items():
+        assert not delta.requires_grad and delta.grad_fn is None
+        assert torch.equal(delta, by_hand[name])
+    held = torch.ones(2, requires_grad=True)
+    assert not TaskVector({"w": held})["w"].requires_grad
+    assert TaskVector({"w": held})["w"].data_ptr() == held.data_ptr()  # no copy
+
+
+def test_equality_is_identity_and_task_vectors_hash():
+    """Mapping's ``==`` compared tensors (``Boolean value of Tensor ... is ambiguous``)."""
+    a, b = vector(w=[1.0, 2.0]), vector(w=[1.0, 2.0])
+    assert a == a and a != b and not (a == b)
+    assert b in [a, b] and [a, b].index(b) == 1
+    assert {a: "first", b: "second"}[b] == "second" and len({a, b, a}) == 2
+    assert hash(a) == hash(a)
+    assert a != {"w": torch.tensor([1.0, 2.0], dtype=torch.float64)}
+
+
+def test_to_takes_what_tensor_to_takes():
+    tv = vector(w=[1.0, 2.0], b=[3.0])
+    for moved in (tv.to("cpu"), tv.to(torch.device("cpu")), tv.to(device="cpu")):
+        assert isinstance(moved, TaskVector) and as_lists(moved) == as_lists(tv)
+    both = tv.to("cpu", torch.float16)
+    assert {delta.dtype for delta in both.values()} == {torch.float16}
+    assert as_lists(tv.to(dtype=torch.float32)) == {"w": [1.0, 2.0], "b": [3.0]}
+
+
+def test_from_state_dicts_names_a_bad_dtype_or_a_value_that_is_not_a_tensor():
+    w = {"w": torch.ones(2)}
+    with pytest.raises(TypeError, match="dtype must be a torch.dtype, not 'float32'"):
+        TaskVector.from_state_dicts(w, w, dtype="float32")
+    with pytest.raises(ValueError, match="dtype must be floating point, not torch.int64"):
+        TaskVector.from_state_dicts(w, w, dtype=torch.int64)
+    with pytest.raises(TypeError, match="tensor 'w' of the fine-tuned model is a NoneType"):
+        TaskVector.from_state_dicts({"w": None}, w)
+    with pytest.raises(TypeError, match="tensor 'w' of the base is a list"):
+        TaskVector.from_state_dicts(w, {"w": [1.0, 1.0]})
+
+
+def test_apply_to_takes_any_real_scale_and_names_what_it_refuses():
+    tv = vector(w=[1.0, -2.0])
+    base = {"w": torch.zeros(2, dtype=torch.float64)}
+    assert tv.apply_to(base, scale=np.float32(0.5))["w"].tolist() == [0.5, -1.0]
+    for scale in ("1", None, True):
+        with pytest.raises(TypeError, match="apply_to: scale must be a real number"):
+            tv.apply_to(base, scale=scale)
+    with pytest.raises(TypeError, match="apply_to: base must map tensor names to tensors"):
+        tv.apply_to([torch.zeros(2)])
