@@ -34,7 +34,7 @@ from mergekit_loco.io.lora import (
     write_lora_adapter,
 )
 from mergekit_loco.linalg import numerical_rank, thin_svd
-from mergekit_loco.merge_checks import check_distinct
+from mergekit_loco.merge_checks import check_distinct, checked_scale
 from mergekit_loco.methods import MergeMethod
 from mergekit_loco.methods.base import is_matrix_shape, task_weights
 from mergekit_loco.methods.iso import IsoC
@@ -176,8 +176,7 @@ def merge_to_lora(
     for option, value in (("--dtype", dtype), ("--compute-dtype", compute_dtype)):
         if not value.is_floating_point:
             raise ValueError(f"{option}: {value} is not a floating-point dtype")
-    if not (isinstance(scale, int | float) and abs(scale) <= torch.finfo(compute_dtype).max):
-        raise ValueError(f"--scale: {scale!r} is not a finite number in {compute_dtype}")
+    scale = checked_scale(scale, compute_dtype)
     check_distinct([Path(path) for path in adapter_paths], Path(base) if base is not None else None)
     with ExitStack() as stack:
         adapters = []

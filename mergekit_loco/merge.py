@@ -31,9 +31,14 @@ from mergekit_loco.io import (
 from mergekit_loco.io.lora import LoraAdapter, is_lora_adapter
 from mergekit_loco.io.prefetch import Prefetcher
 from mergekit_loco.low_rank import LowRankDelta, from_factors, merge_from_factors
-from mergekit_loco.merge_checks import check_compatible, check_distinct, config_source
+from mergekit_loco.merge_checks import (
+    check_compatible,
+    check_distinct,
+    checked_scale,
+    config_source,
+)
 from mergekit_loco.methods import MergeMethod, get_method
-from mergekit_loco.methods.base import promoted_dtype, sum_of
+from mergekit_loco.methods.base import check_implemented, promoted_dtype, sum_of
 from mergekit_loco.task_vector import is_mergeable
 
 
@@ -296,11 +301,15 @@ def smallest(readers: Sequence[CheckpointReader]) -> CheckpointReader:
 
 
 def resolve_method(method: str | MergeMethod, params: dict) -> MergeMethod:
+    """``get_method(method, **params)``, or a method object as given once it provides what a
+    merge needs (:func:`~mergekit_loco.methods.base.check_implemented`: a name and its math),
+    so that nothing is written for a method that cannot finish."""
     if isinstance(method, MergeMethod):
         if params:
             raise ValueError(
                 f"pass parameters {sorted(params)} to get_method, not with a MergeMethod object"
             )
+        check_implemented(method)
         return method
     return get_method(method, **params)
 
@@ -371,8 +380,7 @@ def merge_checkpoints(
         raise ValueError(f"compute dtype must be floating point, not {compute_dtype}")
     if dtype is not None and not dtype.is_floating_point:
         raise ValueError(f"output dtype must be floating point, not {dtype}")
-    if not (isinstance(scale, int | float) and abs(scale) <= torch.finfo(compute_dtype).max):
-        raise ValueError(f"--scale: {scale!r} is not a finite number in {compute_dtype}")
+    scale = checked_scale(scale, compute_dtype)
     if base is None and scale != 1:
         raise ValueError(scale_without_base(scale))
     target = resolve_device(device)

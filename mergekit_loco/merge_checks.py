@@ -3,6 +3,7 @@ output's config and tokenizer come from."""
 
 from __future__ import annotations
 
+import numbers
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -13,6 +14,15 @@ from mergekit_loco.io import CheckpointError, CheckpointReader
 from mergekit_loco.io.atomic import INDEX_SUFFIX
 from mergekit_loco.io.lora import ADAPTER_WEIGHTS
 from mergekit_loco.io.reader import INDEX_FILE, SINGLE_FILE, read_index
+
+
+def checked_scale(scale: float, compute_dtype: torch.dtype) -> float:
+    """``scale`` as a float: any real number (``numbers.Real``, numpy's too; not a bool) that
+    is finite in ``compute_dtype``, else ``ValueError`` naming ``--scale``."""
+    real = isinstance(scale, numbers.Real) and not isinstance(scale, bool)
+    if not (real and abs(scale) <= torch.finfo(compute_dtype).max):
+        raise ValueError(f"--scale: {scale!r} is not a finite number in {compute_dtype}")
+    return float(scale)
 
 
 def identity(path: Path) -> tuple[int, int] | None:

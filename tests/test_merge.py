@@ -1,12 +1,14 @@
 """merge_checkpoints: streamed merges checked against float64 formulas and in-memory merges."""
 
 import json
+from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 from checkpoint_factory import load_state_dict, make_family, write_state_dict
 
-from mergekit_loco import TaskVector, get_method
+from mergekit_loco import MergeMethod, TaskVector, get_method
 from mergekit_loco.io import CheckpointError, OutputExistsError
 from mergekit_loco.merge import MissingBaseError, merge_checkpoints
 
@@ -186,6 +188,65 @@ def test_method_object_is_accepted_but_not_with_params(sharded, tmp_path):
     with pytest.raises(ValueError, match="density"):
         merge_checkpoints(models, base, method, tmp_path / "b.safetensors", density=0.2)
     assert not (tmp_path / "b.safetensors").exists()
+
+
+class Unnamed(MergeMethod):
+    """A custom method without a ``name``: it used to merge, write and commit the output,
+    then raise AttributeError reading the name for the summary."""
+
+    def merge_tensor(self, name, deltas):
+        return deltas[0]
+
+
+@dataclass(frozen=True)
+class Smallest(MergeMethod):
+    """A user's method of its own math: ``merged = min_t tau_t`` (entrywise)."""
+
+    name = "smallest"
+
+    def merge_tensor(self, name, deltas):
+        return torch.stack(list(deltas)).amin(dim=0)
+
+
+@pytest.mark.parametrize("out_name", ["merged.safetensors", "merged"])
+def test_a_method_object_without_a_name_is_refused_before_anything_is_written(
+    sharded, tmp_path, out_name
+):
+    base, models = sharded
+    with pytest.raises(TypeError, match="Unnamed: a merge method needs a name"):
+        merge_checkpoints(models, base, Unnamed(), tmp_path / out_name, progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_named_user_method_merges_streamed_like_its_formula(sharded, tmp_path):
+    base, models = sharded
+    out = tmp_path / "merged.safetensors"
+    summary = merge_checkpoints(models, base, Smallest(), out, progress=False)
+    base_state, model_states = float64_states(base, models)
+    merged = load_state_dict(out)
+    for name, theta in base_state.items():
+        smallest = torch.minimum(*(state[name] - theta for state in model_states))
+        torch.testing.assert_close(merged[name].double(), theta + smallest, rtol=0, atol=1e-6)
+    assert summary.method == "smallest"
+
+
+def test_scale_takes_any_real_number(sharded, tmp_path):
+    """``scale=np.float32(0.5)`` was refused as "not a finite number"; now it merges the bits
+    ``scale=0.5`` does. A bool, a string or a tensor is still refused."""
+    base, models = sharded
+    merge_checkpoints(models, base, "ta", tmp_path / "a.safetensors", scale=0.5, progress=False)
+    merge_checkpoints(
+        models, base, "ta", tmp_path / "b.safetensors", scale=np.float32(0.5), progress=False
+    )
+    first, second = (
+        load_state_dict(tmp_path / "a.safetensors"),
+        load_state_dict(tmp_path / "b.safetensors"),
+    )
+    assert all(torch.equal(first[name], second[name]) for name in first)
+    for scale in (True, "0.5", torch.tensor(0.5), float("nan")):
+        with pytest.raises(ValueError, match="--scale: .* is not a finite number in"):
+            merge_checkpoints(models, base, "ta", tmp_path / "c.safetensors", scale=scale)
+    assert not (tmp_path / "c.safetensors").exists()
 
 
 def test_missing_base_explains_and_shows_the_command(sharded, tmp_path):
