@@ -55,6 +55,60 @@ def test_inner_optimizer_that_is_not_an_optimizer_is_refused():
         ml.DiLoCo(model, [model.weight.detach()], outer, aggregator="mean")
 
 
+def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """One inner step of ``optimizer`` on a fixed batch."""
+    model(torch.ones(2, 4)).pow(2).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_an_outer_optimizer_that_is_an_inner_one_is_refused():
+    """``DiLoCo(model, opt, opt)`` was accepted: each outer step fired the inner post-step hook,
+    so rounds shrank to sync_every - 1 inner steps. The outer optimizer holds the same
+    parameters as the inner ones (that is how it steps the model), so only the object is
+    refused, also where an inner optimizer wraps it (as the training loop's does)."""
+    from mergekit_loco.train.config import TrainConfig
+    from mergekit_loco.train.workers import InnerOptimizer
+
+    model, inner, _ = tiny()
+    with pytest.raises(ValueError, match="outer_optimizer is inner_optimizer 0 .*pass a sep"):
+        ml.DiLoCo(model, inner, inner, aggregator="mean", sync_every=2)
+    second = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="outer_optimizer is inner_optimizer 1"):
+        ml.DiLoCo(model, [inner, second], second, aggregator="mean", sync_every=2)
+    wrapper = InnerOptimizer(model, TrainConfig(), total_steps=10)
+    with pytest.raises(ValueError, match="outer_optimizer is inner_optimizer 0 "):
+        ml.DiLoCo(model, wrapper, wrapper.optimizers[-1], aggregator="mean", sync_every=2)
+    outer = torch.optim.SGD(model.parameters(), lr=0.7)  # same parameters, its own object
+    with ml.DiLoCo(model, inner, outer, aggregator="mean", sync_every=2) as driver:
+        for _ in range(6):
+            step(model, inner)
+    assert (driver.outer_steps, driver.local_steps) == (3, 0)  # 6 steps, rounds of 2
+
+
+def test_entering_a_driver_twice_is_refused_and_leaving_removes_only_its_hooks():
+    """A nested ``with driver:`` registered the hooks twice (each step counted twice) and
+    leaked the first pair: outer steps then fired outside the block."""
+    model, inner, outer = tiny()
+    user_steps = []
+    inner.register_step_post_hook(lambda *args: user_steps.append(1))  # the user's own hook
+    driver = ml.DiLoCo(model, inner, outer, aggregator="mean", sync_every=4)
+    with driver:
+        with pytest.raises(RuntimeError, match=r"DiLoCo driver \(aggregator mean, sync_every 4\)"
+                           " is already entered"):  # fmt: skip
+            with driver:
+                pass
+        step(model, inner)
+        assert driver.local_steps == 1  # counted once
+    for _ in range(8):  # outside the block: the driver counts nothing, the user's hook still runs
+        step(model, inner)
+    assert (driver.local_steps, driver.outer_steps, len(user_steps)) == (1, 0, 9)
+    with driver:  # entered again: the round goes on
+        for _ in range(3):
+            step(model, inner)
+    assert (driver.local_steps, driver.outer_steps) == (0, 1)
+
+
 # -- DiLoCo: load_state_dict ----------------------------------------------------------------------
 def saved_state(sync_every: int = 2) -> dict:
     """The state of a driver after one outer step and one step into the next turn."""

@@ -82,6 +82,30 @@ def check_inner_optimizers(model: torch.nn.Module, inner_optimizers: Sequence[An
             )
 
 
+def optimizer_objects(optimizer: Any) -> list[Any]:
+    """``optimizer`` and the optimizers it wraps in ``optimizers`` (as the training loop's
+    InnerOptimizer does), whose step hooks the driver may register."""
+    return [optimizer] + [
+        wrapped
+        for inner in getattr(optimizer, "optimizers", ())
+        for wrapped in optimizer_objects(inner)
+    ]
+
+
+def check_outer_is_not_inner(outer_optimizer: Any, inner_optimizers: Sequence[Any]) -> None:
+    """The outer optimizer must be an optimizer of its own: one that is (or is wrapped by) an
+    inner optimizer would fire the driver's inner-step hooks on every outer step, so a round
+    would end one step early. It holds the same parameters (the model's); that is expected."""
+    for worker, optimizer in enumerate(inner_optimizers):
+        if any(outer_optimizer is wrapped for wrapped in optimizer_objects(optimizer)):
+            raise ValueError(
+                f"outer_optimizer is inner_optimizer {worker} (or an optimizer inside it): its "
+                "outer steps would count as inner steps; pass a separate optimizer over the "
+                "same parameters, e.g. torch.optim.SGD(model.parameters(), lr=0.7, "
+                "momentum=0.9, nesterov=True)"
+            )
+
+
 def check_compression(compression: str | None) -> None:
     if compression not in COMPRESSIONS:
         raise ValueError(f"compression must be bf16 or int8, not {compression!r}")
@@ -167,9 +191,11 @@ class DiLoCo:
 
     theta_global starts as the model's parameters when the ``with`` block is first entered
     (weights loaded after construction count). Every trainable, non-excluded parameter must be
-    in ``outer_optimizer``. Leaving the block mid-round leaves the model on this worker's
-    parameters (``global_params`` holds theta_global; :meth:`sync` first to evaluate the global
-    model); entering again continues the round. The global parameters and the outer state
+    in ``outer_optimizer``, an optimizer of its own (not one of the inner optimizers). The
+    block is entered once at a time (``with driver:`` inside itself is a RuntimeError).
+    Leaving the block mid-round leaves the model on this worker's parameters
+    (``global_params`` holds theta_global; :meth:`sync` first to evaluate the global model);
+    entering again continues the round. The global parameters and the outer state
     keep the parameters' dtype (no float32 master copy for bf16 models).
     """
 
@@ -235,6 +261,7 @@ class DiLoCo:
                 "inner_optimizer lists one optimizer twice: each simulated worker needs its own "
                 "(its steps would count for two workers)"
             )
+        check_outer_is_not_inner(outer_optimizer, self.inner_optimizers)
         self.outer_optimizer = outer_optimizer
         self.method = resolve_aggregator(aggregator, aggregator_options)
         self.sync_every = sync_every
@@ -260,21 +287,30 @@ class DiLoCo:
 
     # -- hooks ------------------------------------------------------------------------------------
     def __enter__(self) -> DiLoCo:
+        """Register a pre- and a post-step hook on each inner optimizer. Entering a driver that
+        is already entered (a ``with driver:`` inside another) is a RuntimeError: its hooks
+        would count every inner step twice, and the outer block's would outlive it."""
+        if self._hooks:
+            raise RuntimeError(
+                f"this DiLoCo driver (aggregator {self.method.name}, sync_every "
+                f"{self.sync_every}) is already entered: a `with driver:` block inside another "
+                "would count each inner step twice; enter it once"
+            )
         if not self._started:  # weights loaded after construction are the starting point
             self.snapshot_global()
-        self._hooks = [
-            hook
-            for worker, optimizer in enumerate(self.inner_optimizers)
-            for hook in (
-                optimizer.register_step_pre_hook(functools.partial(self._check_turn, worker)),
-                optimizer.register_step_post_hook(
-                    functools.partial(self._after_inner_step, worker)
-                ),
-            )
-        ]
+        try:
+            for worker, optimizer in enumerate(self.inner_optimizers):
+                pre = functools.partial(self._check_turn, worker)
+                self._hooks.append(optimizer.register_step_pre_hook(pre))
+                post = functools.partial(self._after_inner_step, worker)
+                self._hooks.append(optimizer.register_step_post_hook(post))
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *exc_info) -> None:
+        """Remove exactly the hooks :meth:`__enter__` registered."""
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
