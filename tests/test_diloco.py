@@ -126,6 +126,28 @@ def test_driver_with_torch_sgd_equals_outer_optimizer_exactly(aggregator):
     assert torch.equal(model.bias.detach(), params["bias"])
 
 
+@pytest.mark.parametrize("aggregator", ["iso-c", "iso-cts", "mean"])
+def test_a_worker_that_diverged_stops_the_outer_step_naming_the_tensor(aggregator):
+    """A NaN loss in the step that ends the round: Iso-C and Iso-CTS used to raise torch's SVD
+    error. The driver raises the documented FloatingPointError before aggregating; the global
+    parameters (and the model, reset to them) are those of before the round."""
+    model = Tiny()
+    inner = torch.optim.SGD(model.parameters(), lr=LR_INNER)
+    outer = torch.optim.SGD([model.weight, model.bias], lr=0.7, momentum=0.9)
+    x, y = (torch.from_numpy(array) for array in batches(0, 1)[0])
+    start = {name: p.detach().clone() for name, p in model.named_parameters()}
+    with ml.DiLoCo(model, inner, outer, aggregator=aggregator, sync_every=2, exclude=["skip"]):
+        model.loss(x, y).backward()
+        inner.step()
+        inner.zero_grad()
+        (model.loss(x, y) * float("nan")).backward()
+        with pytest.raises(FloatingPointError, match=r"^non-finite pseudo-gradient for 'weight'"):
+            inner.step()
+    assert torch.equal(model.weight.detach(), start["weight"])
+    assert torch.equal(model.bias.detach(), start["bias"])
+    assert not outer.state  # no momentum buffer: the outer optimizer never stepped
+
+
 def test_state_dict_resumes_bit_identically_with_adam_outer():
     """Any torch outer optimizer (Adam here); stop after 2 of 4 rounds, restore into a fresh
     model and driver (global parameters on the CPU backup), finish: the same parameters."""

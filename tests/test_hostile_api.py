@@ -212,6 +212,68 @@ def test_outer_rates_must_be_numbers(option, value):
         ml.OuterOptimizer({"w": torch.zeros(2)}, **{"lr": 0.7, option: value})
 
 
+def test_outer_params_must_be_floating_and_nesterov_a_bool():
+    """An integer parameter was accepted and failed at the first step, leaving ``.grad`` set;
+    ``nesterov="yes"`` or None went to torch unchecked."""
+    with pytest.raises(ValueError, match="params: 'ids' is torch.int64; only floating tensors"):
+        ml.OuterOptimizer({"w": torch.zeros(2), "ids": torch.zeros(3, dtype=torch.long)})
+    for nesterov in ("yes", None, 1):
+        with pytest.raises(TypeError, match="OuterOptimizer nesterov must be True or False"):
+            ml.OuterOptimizer({"w": torch.zeros(2)}, momentum=0.9, nesterov=nesterov)
+
+
+def test_a_failed_outer_step_leaves_no_gradient_behind():
+    params = {"w": torch.zeros(2)}
+    outer = ml.OuterOptimizer(params, lr=0.5)
+
+    def broken_step(*args, **kwargs):
+        raise RuntimeError("the optimizer failed")
+
+    outer.sgd.step = broken_step
+    with pytest.raises(RuntimeError, match="the optimizer failed"):
+        outer.step([ml.TaskVector({"w": torch.ones(2)})])
+    assert params["w"].grad is None
+
+
+def test_outer_step_takes_any_iterable_of_deltas_once():
+    deltas = [ml.TaskVector({"w": torch.full((2,), value)}) for value in (1.0, 3.0)]
+    params = {"w": torch.zeros(2, dtype=torch.float64)}
+    ml.OuterOptimizer(params, lr=0.5).step(delta for delta in deltas)
+    assert params["w"].tolist() == [1.0, 1.0]  # 0 + 0.5 * mean(1, 3)
+    with pytest.raises(TypeError, match="step: worker delta 2 is a list, not a TaskVector"):
+        ml.OuterOptimizer({"w": torch.zeros(2)}).step([deltas[0], [1.0]])
+
+
+class Unnamed(ml.MergeMethod):
+    """A custom method without a ``name``."""
+
+    def merge_tensor(self, name, deltas):
+        return deltas[0]
+
+
+class NoMath(ml.MergeMethod):
+    """A custom method with a name and no math."""
+
+    name = "no-math"
+
+
+@pytest.mark.parametrize(
+    ("method", "message"),
+    [
+        (Unnamed(), "Unnamed: a merge method needs a name, a non-empty str"),
+        (NoMath(), "no-math: declare local_term and finish .*, or merge_tensor"),
+    ],
+)
+def test_a_method_object_without_a_name_or_math_is_refused_when_given(method, message):
+    model, inner, outer = tiny()
+    with pytest.raises(TypeError, match=message):
+        ml.DiLoCo(model, inner, outer, aggregator=method)
+    with pytest.raises(TypeError, match=message):
+        ml.OuterOptimizer({"w": torch.zeros(2)}, aggregator=method)
+    with pytest.raises(TypeError, match=message):
+        method.merge([ml.TaskVector({"w": torch.ones(2)})])
+
+
 def stepped_outer() -> ml.OuterOptimizer:
     """An outer optimizer with momentum, one step taken (its momentum buffer exists)."""
     outer = ml.OuterOptimizer({"w": torch.zeros(2), "b": torch.zeros(3)}, lr=0.7, momentum=0.9)

@@ -256,6 +256,61 @@ def test_non_finite_pseudo_gradient_raises():
 
 
 @pytest.mark.parametrize(
+    ("aggregator", "bad"),
+    [("iso-c", float("nan")), ("iso-cts", float("inf")), ("tsv", float("nan")),
+     ("ties", -float("inf")), ("mean", float("nan"))],
+)  # fmt: skip
+def test_a_non_finite_worker_delta_is_refused_before_aggregating(aggregator, bad):
+    """Iso-C with a NaN and Iso-CTS with an Inf raised torch's SVD ``_LinAlgError``: the deltas
+    are checked before any method runs, with the documented error naming the tensor; the
+    parameters, the step count and the momentum are kept, and the next finite step is the
+    first one."""
+    params = zero_params()
+    outer = OuterOptimizer(params, aggregator, lr=0.5, momentum=0.9)
+    deltas = as_task_vectors(random_deltas())
+    deltas[1]["tall"][2, 3] = bad
+    with pytest.raises(FloatingPointError, match=r"^non-finite pseudo-gradient for 'tall' .*; "
+                       "params kept$"):  # fmt: skip
+        outer.step(deltas)
+    assert all(not p.any() and p.grad is None for p in params.values())
+    assert outer.steps_taken == 0 and not outer.momentum_buffers
+    finite = as_task_vectors(random_deltas(seed=1))
+    outer.step(finite)
+    fresh = zero_params()
+    OuterOptimizer(fresh, aggregator, lr=0.5, momentum=0.9).step(finite)
+    assert all(torch.equal(params[name], fresh[name]) for name in SHAPES)
+
+
+def refuse_a_non_finite_delta_on_one_rank(rank: int, store: str) -> None:
+    """Rank 1's delta holds a NaN: both ranks raise the same FloatingPointError (rank 0 does
+    not wait in a collective for a rank that failed), parameters kept."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))  # fmt: skip
+    params = zero_params()
+    outer = OuterOptimizer(params, "iso-c", lr=0.5)
+    local = as_task_vectors(random_deltas(seed=rank, workers=1))
+    if rank == 1:
+        local[0]["wide"][0, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match="non-finite pseudo-gradient for 'wide'"):
+        outer.step(local)
+    assert all(not p.any() for p in params.values()) and outer.steps_taken == 0
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def test_a_non_finite_delta_on_one_rank_stops_every_rank_alike(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(refuse_a_non_finite_delta_on_one_rank, args=(str(tmp_path / "store"),), nprocs=2)
+
+
+@pytest.mark.parametrize(
     ("delta", "message"),
     [
         ({"W": torch.ones(2, 2)}, "tensor 'W' is not a parameter"),

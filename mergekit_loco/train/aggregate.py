@@ -7,11 +7,12 @@ fresh DARE masks each round) is the method's own :meth:`~MergeMethod.as_aggregat
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
+import torch
 import torch.distributed as dist
 
-from mergekit_loco.dist import CommStats, merge_across_ranks
+from mergekit_loco.dist import CommStats, guarded, merge_across_ranks
 from mergekit_loco.methods import MergeMethod
 from mergekit_loco.task_vector import TaskVector
 
@@ -24,6 +25,36 @@ def _world_size(group) -> int:
     return dist.get_world_size(group)
 
 
+def check_finite_deltas(local_deltas: Sequence[Mapping[str, torch.Tensor]], group=None) -> None:
+    """Raise ``FloatingPointError`` naming the first tensor (in the first delta's order) that
+    holds NaN or Inf in a worker delta of any rank of ``group``, before any aggregation: a
+    method would fail on it (an SVD) or spread it into the pseudo-gradient. With several ranks
+    one all-reduce (MAX) of a flag per tensor makes every rank raise alike."""
+    names = list(local_deltas[0])
+    if not names:
+        return
+    device = local_deltas[0][names[0]].device
+    flags = [
+        torch.stack([torch.isfinite(d[name]).all() for d in local_deltas if name in d])
+        .all()
+        .logical_not()
+        .to(device)
+        for name in names
+    ]
+    non_finite = torch.stack(flags).to(torch.int32)
+    if _world_size(group) > 1:
+        who = f"rank {dist.get_rank(group)}"
+        label = "outer step collective all_reduce"
+        guarded(who, label, dist.all_reduce, non_finite, dist.ReduceOp.MAX, group)
+    flagged = non_finite.tolist()
+    if any(flagged):
+        name = names[flagged.index(1)]
+        raise FloatingPointError(
+            f"non-finite pseudo-gradient for {name!r} (a worker delta holds NaN or Inf); "
+            "params kept"
+        )
+
+
 def aggregate_worker_deltas(
     method: MergeMethod,
     local_deltas: Sequence[TaskVector],
@@ -34,8 +65,11 @@ def aggregate_worker_deltas(
 ) -> tuple[TaskVector, CommStats]:
     """``(merged, stats)``: the aggregate of all ``R = len(local_deltas) * world`` worker deltas
     ``tau_i = theta_i - theta`` (this rank's plus every other rank's of ``group``), and what the
-    call cost this rank. ``round_index`` (0-based outer step) seeds per-round randomness."""
+    call cost this rank. ``round_index`` (0-based outer step) seeds per-round randomness.
+    Raises ``FloatingPointError`` naming the tensor, on every rank, before aggregating a worker
+    delta that is not finite (:func:`check_finite_deltas`)."""
     if not local_deltas:
         raise ValueError("outer step needs at least one worker delta on every rank")
+    check_finite_deltas(local_deltas, group)
     aggregator = method.as_aggregator(round_index, len(local_deltas) * _world_size(group))
     return merge_across_ranks(aggregator, local_deltas, group=group, compression=compression)

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from mergekit_loco.methods import MergeMethod, get_method
+from mergekit_loco.methods.base import check_implemented
 from mergekit_loco.task_vector import TaskVector
 from mergekit_loco.train.aggregate import CommStats, aggregate_worker_deltas
 
@@ -126,10 +127,12 @@ def check_compression_has_ranks(compression: str | None, group: dist.ProcessGrou
 def resolve_aggregator(
     aggregator: str | MergeMethod, options: Mapping[str, Any] | None = None
 ) -> MergeMethod:
-    """A method object as given, or ``get_method(name, **options)``."""
+    """A method object as given (once it has a name and its math:
+    :func:`~mergekit_loco.methods.base.check_implemented`), or ``get_method(name, **options)``."""
     if isinstance(aggregator, MergeMethod):
         if options:
             raise ValueError("pass aggregator options to get_method, not with a method object")
+        check_implemented(aggregator)
         return aggregator
     return get_method(aggregator, **dict(options or {}))
 
@@ -166,10 +169,12 @@ def apply_pseudo_gradient(
             )
         if not torch.isfinite(merged[name]).all():
             raise FloatingPointError(f"non-finite pseudo-gradient for {name!r}; params kept")
-    for name, param in params.items():
-        param.grad = -merged[name].to(device=param.device, dtype=param.dtype)
-    outer.step()
-    outer.zero_grad(set_to_none=True)
+    try:
+        for name, param in params.items():
+            param.grad = -merged[name].to(device=param.device, dtype=param.dtype)
+        outer.step()
+    finally:  # a failed step leaves no pseudo-gradient behind
+        outer.zero_grad(set_to_none=True)
 
 
 class DiLoCo:

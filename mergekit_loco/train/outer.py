@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 import math
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,8 @@ from mergekit_loco.train.diloco import (
 
 
 def check_params(params: Mapping[str, torch.Tensor]) -> None:
-    """``params`` maps names to tensors (a list of tensors has no names to match deltas by)."""
+    """``params`` maps names to floating tensors (a list of tensors has no names to match
+    deltas by; an integer tensor takes no gradient step)."""
     if not isinstance(params, Mapping):
         raise TypeError(
             "OuterOptimizer params must be a mapping of name -> tensor (e.g. "
@@ -34,6 +35,11 @@ def check_params(params: Mapping[str, torch.Tensor]) -> None:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(
                 f"OuterOptimizer params: {name!r} is a {type(tensor).__name__}, not a tensor"
+            )
+        if not tensor.is_floating_point():
+            raise ValueError(
+                f"OuterOptimizer params: {name!r} is {tensor.dtype}; only floating tensors take "
+                "an outer step (leave integer buffers out of params)"
             )
 
 
@@ -76,6 +82,8 @@ class OuterOptimizer:
         check_params(params)
         check_rate("lr", lr, None)
         check_rate("momentum", momentum, 1.0)
+        if not isinstance(nesterov, bool):
+            raise TypeError(f"OuterOptimizer nesterov must be True or False, got {nesterov!r}")
         check_compression(compression)
         check_compression_has_ranks(compression, process_group)
         self.params = dict(params)
@@ -98,15 +106,23 @@ class OuterOptimizer:
         }
 
     @torch.no_grad()
-    def step(self, deltas: Sequence[TaskVector]) -> TaskVector:
-        """Aggregate ``deltas`` and update ``params`` in place; returns the merged delta.
-        Raises ValueError naming the tensor, before any compute, for a delta of another shape
-        than its parameter, and TypeError for anything but a list of task vectors."""
-        if isinstance(deltas, Mapping) or not all(isinstance(d, Mapping) for d in deltas):
+    def step(self, deltas: Iterable[TaskVector]) -> TaskVector:
+        """Aggregate ``deltas`` (a list, or any iterable: read once) and update ``params`` in
+        place; returns the merged delta. Before any compute, raises TypeError for anything but
+        task vectors, ValueError naming the tensor for a delta of another shape than its
+        parameter, and FloatingPointError naming it for a delta that is not finite (then
+        ``params`` are kept)."""
+        if isinstance(deltas, Mapping | torch.Tensor) or not isinstance(deltas, Iterable):
             raise TypeError(
-                "step takes a list of worker deltas (step([tau_1, tau_2, ...])), not "
+                "step takes a list of worker deltas (step([tau_1, tau_2, ...])), not a "
                 f"{type(deltas).__name__}"
             )
+        deltas = list(deltas)
+        for index, delta in enumerate(deltas, start=1):
+            if not isinstance(delta, Mapping):
+                raise TypeError(
+                    f"step: worker delta {index} is a {type(delta).__name__}, not a TaskVector"
+                )
         for index, delta in enumerate(deltas, start=1):
             for name, tensor in delta.items():
                 param = self.params.get(name)
