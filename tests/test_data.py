@@ -220,6 +220,36 @@ def test_bad_spec_names_the_source(spec, tmp_path):
         prepare_data(spec, cache_dir=tmp_path)
 
 
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            {"spec": None},
+            "spec must be a data spec such as 'stdlib' or a corpus path, not NoneType",
+        ),
+        ({"val_tokens": 1.5}, "val_tokens must be an int, not 1.5"),
+        ({"max_train_tokens": "8"}, "max_train_tokens must be an int or None, not '8'"),
+        ({"vocab_size": True}, "vocab_size must be an int, not True"),
+        ({"seed": None}, "seed must be an int, not None"),
+        ({"val_seed": 2.0}, "val_seed must be an int or None, not 2.0"),
+    ],
+)
+def test_prepare_data_names_an_argument_of_the_wrong_type(options, message, tmp_path):
+    """``prepare_data(None)`` and ``val_tokens=1.5`` raised from deep inside (a split of None,
+    a slice by a float): refused before any work, naming the argument."""
+    with pytest.raises(TypeError, match=re.escape(f"prepare_data: {message}")):
+        prepare_data(**{"spec": "stdlib", "cache_dir": tmp_path, **options})
+    assert not (tmp_path / "tokens").exists()
+
+
+def test_prepare_data_takes_a_path_and_numpy_integers(corpus, tmp_path):
+    import numpy as np
+
+    given = prepare_data(corpus, cache_dir=tmp_path, val_tokens=np.int64(50), vocab_size=300)
+    plain = prepare_data(str(corpus), cache_dir=tmp_path, val_tokens=50, vocab_size=300)
+    assert torch.equal(given.train, plain.train) and torch.equal(given.val, plain.val)
+
+
 def test_stdlib_and_pydoc_sources_and_round_trip(tmp_path):
     stdlib = load_documents("stdlib")
     names = [document.name for document in stdlib]

@@ -10,6 +10,7 @@ import shutil
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import stdlib_corpus
 from hostile import TRAIN, assert_refused, run_cli, snapshot
@@ -258,3 +259,50 @@ def test_the_api_checks_as_the_cli_does(overrides, message):
 def test_a_config_built_from_its_sections_is_checked_too():
     with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*63\), got -1"):
         TrainConfig(run=RunConfig(seed=-1))
+
+
+def test_a_method_option_given_as_a_run_option_says_where_it_goes(tmp_path):
+    """``resolve_config(aggregator="ties", density=0.5)`` said only "unknown option"."""
+    with pytest.raises(ValueError) as refused:
+        resolve_config(aggregator="ties", density=0.5)
+    assert str(refused.value) == (
+        "flags: unknown option 'density'; it is an aggregator option: pass "
+        "aggregator_options={'density': 0.5}"
+    )
+    config = resolve_config(aggregator="ties", aggregator_options={"density": 0.5})
+    assert config.outer.aggregator_options == {"density": 0.5}
+    toml = write(tmp_path, "run.toml", 'aggregator = "ties"\ndensity = 0.5\n')
+    with pytest.raises(ValueError) as refused:
+        resolve_config(toml)
+    assert str(refused.value).endswith(
+        "run.toml: unknown option 'density'; it is an aggregator option: put it in the "
+        "aggregator_options table ([aggregator_options] in TOML)"
+    )
+    with pytest.raises(ValueError) as refused:
+        resolve_config(wokers=4)
+    assert str(refused.value) == "flags: unknown option 'wokers'"  # no method takes it
+
+
+def test_a_new_aggregator_drops_the_old_ones_options_by_replace_as_by_resolve():
+    """``preset_config("ties").replace(aggregator="iso-c")`` failed on the preset's density,
+    which ``resolve_config(preset="ties", aggregator="iso-c")`` dropped: both drop it now, and
+    both check options given with the new aggregator."""
+    replaced = preset_config("ties").replace(aggregator="iso-c")
+    assert replaced == resolve_config(preset="ties", aggregator="iso-c")
+    assert replaced.outer.aggregator_options == {}
+    assert preset_config("ties").replace(outer_lr=0.5).outer.aggregator_options == {"density": 0.9}
+    given = {"density": 0.5}
+    for build in (
+        lambda: preset_config("ties").replace(aggregator="iso-c", aggregator_options=given),
+        lambda: resolve_config(preset="ties", aggregator="iso-c", aggregator_options=given),
+    ):
+        with pytest.raises(ValueError, match="aggregator: method 'iso-c' does not take 'density'"):
+            build()
+    dare = preset_config("ties").replace(aggregator="dare", aggregator_options={"density": 0.5})
+    assert dare.outer.aggregator_options == {"density": 0.5}
+
+
+def test_numpy_numbers_are_numbers_in_a_config():
+    config = resolve_config(outer_lr=np.float32(0.5), workers=np.int64(2), inner_steps=np.int32(3))
+    assert (config.outer.lr, config.run.workers, config.inner.steps) == (0.5, 2, 3)
+    assert type(config.outer.lr) is float and type(config.run.workers) is int

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import os
 import tomllib
 import types
@@ -190,9 +191,15 @@ class TrainConfig:
         return cls(**{name: SECTIONS[name](**fields) for name, fields in sections.items()})
 
     def replace(self, **flat: Any) -> TrainConfig:
-        """A copy with some flat options changed (the folder actions kept), validated."""
+        """A copy with some flat options changed (the folder actions kept), validated. Another
+        ``aggregator`` drops the options of the one it replaces (they belong to it, as
+        :func:`resolve_config` drops a preset's); ``aggregator_options`` given here are
+        checked against the new aggregator."""
         actions = {name: getattr(self.checkpoint, name) for name in FOLDER_ACTIONS}
-        return TrainConfig.from_dict({**self.to_dict(), **actions, **flat})
+        values = {**self.to_dict(), **actions}
+        if flat.get("aggregator", values["aggregator"]) != values["aggregator"]:
+            values["aggregator_options"] = {}
+        return TrainConfig.from_dict({**values, **flat})
 
     def run_defining(self) -> dict[str, Any]:
         """The fields that decide what is computed (all but :data:`RUNTIME_FIELDS`)."""
@@ -263,9 +270,23 @@ def coerce_values(values: Mapping[str, Any], source: str = "config") -> dict[str
     for raw_key, value in values.items():
         key = raw_key.replace("-", "_") if isinstance(raw_key, str) else raw_key
         if key not in FIELD_TYPES:
-            raise ValueError(f"{source}: unknown option {bounded(raw_key)}")
+            where = aggregator_option_advice(key, value, source)
+            raise ValueError(f"{source}: unknown option {bounded(raw_key)}{where}")
         coerced[key] = _coerce(key, FIELD_TYPES[key], value, source)
     return coerced
+
+
+def aggregator_option_advice(key: Any, value: Any, source: str) -> str:
+    """Where a merge method's parameter (``density``) goes when it was given as a run option:
+    in ``aggregator_options`` (the Python keyword, or a config file's table); else ``""``."""
+    from mergekit_loco.methods.registry import METHODS  # torch: on error only
+
+    if not any(key in method.parameter_names() for method in METHODS.values()):
+        return ""
+    advice = "; it is an aggregator option: "
+    if source == "flags":
+        return advice + f"pass aggregator_options={{{key!r}: {bounded(value)}}}"
+    return advice + "put it in the aggregator_options table ([aggregator_options] in TOML)"
 
 
 def _coerce(key: str, annotation: Any, value: Any, source: str) -> Any:
@@ -280,7 +301,9 @@ def _coerce(key: str, annotation: Any, value: Any, source: str) -> Any:
     origin = typing.get_origin(target) or target
     if origin is bool and isinstance(value, bool):
         return value
-    integral = isinstance(value, int) or isinstance(value, float) and value.is_integer()
+    integral = isinstance(value, numbers.Integral) or (
+        (number := float_or_none(value)) is not None and number.is_integer()
+    )
     if origin is int and integral and not isinstance(value, bool):
         return int(value)
     if origin is float and (number := float_or_none(value)) is not None:
@@ -300,8 +323,9 @@ def _coerce(key: str, annotation: Any, value: Any, source: str) -> Any:
 
 
 def float_or_none(value: Any) -> float | None:
-    """``value`` as a float if it is an int or float (not a bool) that fits one, else None."""
-    if not isinstance(value, int | float) or isinstance(value, bool):
+    """``value`` as a float if it is a real number (``numbers.Real``, numpy's too; not a bool)
+    that fits one, else None."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
         return None
     try:
         return float(value)

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import numbers
+import os
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +74,17 @@ class PreparedData:
 
 
 # -- token streams ------------------------------------------------------------------------------
+def integer_argument(argument: str, value: Any, optional: bool = False) -> Any:
+    """``value`` as an int (None kept where ``optional``); TypeError naming ``argument`` for
+    anything but an integer (a bool, 1.5, "8")."""
+    if value is None and optional:
+        return None
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        expected = "an int or None" if optional else "an int"
+        raise TypeError(f"prepare_data: {argument} must be {expected}, not {value!r}")
+    return int(value)
+
+
 def prepare_data(
     spec: str = "stdlib",
     tokenizer: str | Path | PreTrainedTokenizerBase | None = None,
@@ -88,7 +102,20 @@ def prepare_data(
     ``max_train_tokens`` (then cut; None takes all). No held-out document's token is trained on.
     ``val_seed`` (default ``seed``) orders the documents for validation only: a fixed
     validation set shared by every ``seed``, which still orders the training documents.
+    ``spec`` is a str (or a path); the counts and seeds are integers (numpy's too): else
+    TypeError naming the argument.
     """
+    if not isinstance(spec, str | os.PathLike):
+        raise TypeError(
+            "prepare_data: spec must be a data spec such as 'stdlib' or a corpus path, not "
+            f"{type(spec).__name__}"
+        )
+    spec = os.fspath(spec)
+    max_train_tokens = integer_argument("max_train_tokens", max_train_tokens, optional=True)
+    val_tokens = integer_argument("val_tokens", val_tokens)
+    vocab_size = integer_argument("vocab_size", vocab_size)
+    seed = integer_argument("seed", seed)
+    val_seed = integer_argument("val_seed", val_seed, optional=True)
     if val_tokens < 0 or (max_train_tokens is not None and max_train_tokens < 1):
         raise ValueError(
             f"need val_tokens >= 0 and max_train_tokens >= 1, got {val_tokens}, {max_train_tokens}"
