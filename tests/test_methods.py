@@ -1064,6 +1064,31 @@ def test_the_check_costs_a_few_microseconds_per_tensor():
     assert (checked_s - raw_s) / 200 < 50e-6
 
 
+@pytest.mark.parametrize(
+    ("name", "options", "unweighted", "ones", "twos"),
+    [
+        ("mean", {}, [2, 0, 2, 0.5], [2, 0, 2, 0.5], [2, 0, 2, 0.5]),
+        ("ta", {}, [4, 0, 4, 1], [4, 0, 4, 1], [8, 0, 8, 2]),
+        ("dare", {"density": 1.0}, [2, 0, 2, 0.5], [4, 0, 4, 1], [8, 0, 8, 2]),
+        ("breadcrumbs", {"density": 1.0, "gamma": 0.0}, [2, 0, 2, 0.5], [4, 0, 4, 1], [8, 0, 8, 2]),
+        ("ties", {"density": 1.0}, [2, 2, 2, 0.5], [2, 2, 2, 0.5], [2, 2, 2, 0.5]),
+        ("ties", {"density": 1.0, "normalize": False}, [4, 2, 4, 1], [4, 2, 4, 1], [8, 4, 8, 2]),
+    ],
+)
+def test_weights_are_normalised_by_mean_and_ties_only(name, options, unweighted, ones, twos):
+    """docs/methods.md's weights, by hand for tau_1 = [1, -2, 3, 0.5], tau_2 = [3, 2, 1, 0.5]
+    with nothing dropped: dare and breadcrumbs default to the mean, and weights (1, 1) double
+    it (``sum_t w_t ...``); mean and ties divide by the (agreeing) weights. TIES's entry 2
+    sums to 0 and takes the majority sign +, where only tau_2 agrees."""
+    deltas = [
+        torch.tensor([1.0, -2.0, 3.0, 0.5], dtype=torch.float64),
+        torch.tensor([3.0, 2.0, 1.0, 0.5], dtype=torch.float64),
+    ]
+    for weights, expected in ((None, unweighted), ((1.0, 1.0), ones), ((2.0, 2.0), twos)):
+        method = get_method(name, weights=weights, **options)
+        assert method.merge_tensor("w", deltas).tolist() == expected, weights
+
+
 def test_get_method_takes_numpy_numbers_as_python_ones():
     ties = get_method("ties", density=np.float32(0.5), weights=(np.float64(1.0), 2))
     assert ties == get_method("ties", density=0.5, weights=(1.0, 2))

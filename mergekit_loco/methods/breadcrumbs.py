@@ -42,7 +42,8 @@ class Breadcrumbs(MergeMethod):
 
     density in (0, 1], default 0.9; gamma in [0, 1), default 0.01 (each one for all tasks or
     one per task); density + gamma <= 1 is not required (the band is clipped, see
-    :func:`keep_magnitude_band`). weights: ``w_t`` per task.
+    :func:`keep_magnitude_band`). weights: ``w_t`` per task, taken as given (unnormalised: for
+    two tasks ``(1, 1)`` doubles the default's step; weights summing to 1 give a weighted mean).
     """
 
     name = "breadcrumbs"

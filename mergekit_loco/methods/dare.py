@@ -49,10 +49,12 @@ class Dare(MergeMethod):
     density: keep probability in (0, 1], one for all or one per task, default 0.9 (the seed
     paper's DARE aggregator drops 10%); seed: the masks are a pure function of (seed, tensor
     name, task index), so a streamed merge and an in-memory merge draw the same masks.
-    weights: ``w_t`` per task. rescale: "density" (``/ density``), "l1" (mergekit: keep each
-    delta's L1 norm) or "none". consensus=True is DARE-TIES: TIES's sign election (zeros by
-    ``zero_sign``, as in :class:`~mergekit_loco.methods.ties.Ties`) and weighted disjoint sum of
-    the dropped ``w_t`` deltas, divided by the agreeing weights if normalize.
+    weights: ``w_t`` per task, taken as given (unnormalised: for two tasks ``(1, 1)`` doubles
+    the default's step; weights summing to 1 give a weighted mean). rescale: "density"
+    (``/ density``), "l1" (mergekit: keep each delta's L1 norm) or "none". consensus=True is
+    DARE-TIES: TIES's sign election (zeros by ``zero_sign``, as in
+    :class:`~mergekit_loco.methods.ties.Ties`) and weighted disjoint sum of the dropped ``w_t``
+    deltas, divided by the agreeing weights if normalize.
     """
 
     name = "dare"
