@@ -30,7 +30,9 @@ class CommStats:
     bytes per rank: ``(P-1) B``). bytes_naive: what :func:`gather_then_merge` sends from this rank,
     ``(P-1) V N`` bytes. comm_seconds: wall time inside collectives (waiting for slower ranks
     included). spectral_seconds: wall time in SVD / polar / Newton-Schulz (the whole per-tensor
-    merge under the ``owner`` plan). collectives: calls issued.
+    merge under the ``owner`` plan). collectives: calls issued. Control messages (layout
+    checks, the training loop's non-finite flags: 4 bytes a tensor) count in ``collectives`` and
+    ``comm_seconds``, not in ``bytes_sent``.
     """
 
     bytes_sent: int = 0
@@ -249,14 +251,14 @@ def assign_owners(shapes: Sequence[Sequence[int]], world: int) -> list[int]:
     return owners
 
 
-
-
 class CollectiveFailed(RuntimeError):
     """A collective failed or timed out: a peer process died, hung or is unreachable. The
     message names this process, the collective and how long it waited."""
 
 
-def guarded(who: str, op: str, collective: Callable, *args, timeout_s: float | None = None, **kwargs):
+def guarded(
+    who: str, op: str, collective: Callable, *args, timeout_s: float | None = None, **kwargs
+):
     """``collective(*args, **kwargs)``; a failure (a dead or hung peer, the process group's
     timeout) becomes :class:`CollectiveFailed` naming ``who`` (this process), ``op`` and the
     wait. The one wrapper every collective of the package goes through."""
@@ -267,7 +269,9 @@ def guarded(who: str, op: str, collective: Callable, *args, timeout_s: float | N
         waited = time.perf_counter() - start
         text = str(error).strip()
         cause = text.splitlines()[0] if text else type(error).__name__
-        limit = f"{timeout_s:g} s" if timeout_s is not None else "the one given to init_process_group"
+        limit = (
+            f"{timeout_s:g} s" if timeout_s is not None else "the one given to init_process_group"
+        )
         raise CollectiveFailed(
             f"{who}: {op} failed after {waited:.1f} s; a peer rank likely died or hung, or is "
             f"unreachable (collective timeout: {limit}). Cause: {cause}"

@@ -7,6 +7,7 @@ fresh DARE masks each round) is the method's own :meth:`~MergeMethod.as_aggregat
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -25,14 +26,16 @@ def _world_size(group) -> int:
     return dist.get_world_size(group)
 
 
-def check_finite_deltas(local_deltas: Sequence[Mapping[str, torch.Tensor]], group=None) -> None:
+def check_finite_deltas(local_deltas: Sequence[Mapping[str, torch.Tensor]], group=None) -> float:
     """Raise ``FloatingPointError`` naming the first tensor (in the first delta's order) that
     holds NaN or Inf in a worker delta of any rank of ``group``, before any aggregation: a
     method would fail on it (an SVD) or spread it into the pseudo-gradient. With several ranks
-    one all-reduce (MAX) of a flag per tensor makes every rank raise alike."""
+    one all-reduce (MAX) of a flag per tensor makes every rank raise alike; returns the seconds
+    spent in it (a control message of 4 bytes per tensor, like the layout checks not counted in
+    ``CommStats.bytes_sent``)."""
     names = list(local_deltas[0])
     if not names:
-        return
+        return 0.0
     device = local_deltas[0][names[0]].device
     flags = [
         torch.stack([torch.isfinite(d[name]).all() for d in local_deltas if name in d])
@@ -42,10 +45,13 @@ def check_finite_deltas(local_deltas: Sequence[Mapping[str, torch.Tensor]], grou
         for name in names
     ]
     non_finite = torch.stack(flags).to(torch.int32)
+    seconds = 0.0
     if _world_size(group) > 1:
         who = f"rank {dist.get_rank(group)}"
-        label = "outer step collective all_reduce"
+        label = "outer step collective all_reduce (non-finite flags)"
+        started = time.perf_counter()
         guarded(who, label, dist.all_reduce, non_finite, dist.ReduceOp.MAX, group)
+        seconds = time.perf_counter() - started
     flagged = non_finite.tolist()
     if any(flagged):
         name = names[flagged.index(1)]
@@ -53,6 +59,7 @@ def check_finite_deltas(local_deltas: Sequence[Mapping[str, torch.Tensor]], grou
             f"non-finite pseudo-gradient for {name!r} (a worker delta holds NaN or Inf); "
             "params kept"
         )
+    return seconds
 
 
 def aggregate_worker_deltas(
@@ -70,6 +77,12 @@ def aggregate_worker_deltas(
     delta that is not finite (:func:`check_finite_deltas`)."""
     if not local_deltas:
         raise ValueError("outer step needs at least one worker delta on every rank")
-    check_finite_deltas(local_deltas, group)
+    flag_seconds = check_finite_deltas(local_deltas, group)
     aggregator = method.as_aggregator(round_index, len(local_deltas) * _world_size(group))
-    return merge_across_ranks(aggregator, local_deltas, group=group, compression=compression)
+    merged, stats = merge_across_ranks(
+        aggregator, local_deltas, group=group, compression=compression
+    )
+    if _world_size(group) > 1:
+        stats.collectives += 1
+        stats.comm_seconds += flag_seconds
+    return merged, stats
