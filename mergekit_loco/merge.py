@@ -129,11 +129,13 @@ def read_inputs(
     compute_dtype: torch.dtype,
 ) -> list:
     """``[base tensor, model_1 input, ..]`` of ``name``: a model's tensor, None for a model that
-    is the base, a :class:`LowRankDelta` for a LoRA adapter."""
+    is the base, a :class:`LowRankDelta` for a LoRA adapter (its factors in the compute dtype of
+    the base's tensor, :func:`at_least`: a float64 base is not rounded through float32)."""
     inputs: list = [read_finite(base, name)]
+    factor_dtype = at_least(compute_dtype, inputs[0].dtype)
     for model in models:
         if isinstance(model, LoraAdapter):
-            factors = model.factors(name, compute_dtype) if name in model else (None, None)
+            factors = model.factors(name, factor_dtype) if name in model else (None, None)
             inputs.append(LowRankDelta(*factors))
         else:
             inputs.append(None if model is base else read_finite(model, name))
