@@ -31,7 +31,12 @@ from mergekit_loco.io import (
 from mergekit_loco.io.lora import LoraAdapter, is_lora_adapter
 from mergekit_loco.io.prefetch import Prefetcher
 from mergekit_loco.low_rank import LowRankDelta, from_factors, merge_from_factors
-from mergekit_loco.merge_checks import check_compatible, check_distinct, config_source
+from mergekit_loco.merge_checks import (
+    check_compatible,
+    check_distinct,
+    config_source,
+    floating_shapes,
+)
 from mergekit_loco.methods import MergeMethod, get_method
 from mergekit_loco.methods.base import promoted_dtype, sum_of
 from mergekit_loco.task_vector import is_mergeable
@@ -142,19 +147,6 @@ def read_inputs(
     return inputs
 
 
-def common_dtype(name: str, tensors: Sequence[torch.Tensor]) -> torch.dtype:
-    """:func:`~mergekit_loco.methods.base.promoted_dtype` of ``tensors``; a ``ValueError``
-    naming ``name`` where torch has none (8-bit floats)."""
-    try:
-        return promoted_dtype(tensors)
-    except RuntimeError:
-        dtypes = " and ".join(sorted({str(tensor.dtype) for tensor in tensors}))
-        raise ValueError(
-            f"tensor {name!r} is {dtypes} in different models, which have no common dtype; give "
-            "--base (its dtype is the output's)"
-        ) from None
-
-
 def summing_dtype(compute_dtype: torch.dtype, base_free: bool) -> torch.dtype:
     """``compute_dtype``, or float64 for a merge without a base: exact sums of float32 (and
     narrower) models, so that no model order rounds differently."""
@@ -186,7 +178,7 @@ def merge_one(
     base_tensor = inputs.pop(0)
     if base_free:
         inputs[:] = [base_tensor if item is None else item for item in inputs]
-        dtype = common_dtype(name, [item for item in inputs if isinstance(item, torch.Tensor)])
+        dtype = promoted_dtype(inputs)  # one exists: merge_checks.check_common_dtype
         base_tensor = torch.zeros(base_tensor.shape, dtype=dtype)
     out_dtype = out_dtype or base_tensor.dtype
     compute_dtype = at_least(compute_dtype, base_tensor.dtype)
@@ -289,14 +281,6 @@ def prefetched_inputs(
     )
 
 
-def smallest(readers: Sequence[CheckpointReader]) -> CheckpointReader:
-    """The model with the fewest entries (the first of those), which stands in for the base
-    without one: its tensor names, shapes and config files (a model whose fine-tune added
-    vocabulary rows never does); the merge itself treats it as a model (``base_free`` in
-    :func:`merge_one`)."""
-    return min(readers, key=lambda r: sum(math.prod(r.shape(name)) for name in r.names()))
-
-
 def resolve_method(method: str | MergeMethod, params: dict) -> MergeMethod:
     if isinstance(method, MergeMethod):
         if params:
@@ -346,8 +330,8 @@ def merge_checkpoints(
     their dtype (a merged value beyond its range is an error, not a silent NaN).
     ``base=None`` is allowed for methods that need none (``mean``): the result is
     ``mean(models)`` in the dtype the models' dtypes promote to (``scale`` must be 1; a tensor
-    that is not merged must be equal in every model), and the model with the fewest entries
-    (:func:`smallest`) gives the tensor list and the config files.
+    that is not merged must be equal in every model, and every model must have the same
+    shapes), and the first model gives the tensor list and the config files.
     ``out`` ending in ``.safetensors`` is a file, anything else a Hugging Face folder with the
     base's config and tokenizer files.
 
@@ -391,12 +375,13 @@ def merge_checkpoints(
             raise MissingBaseError(
                 f"{adapters[0].path} is a LoRA adapter (a delta): give --base, the model it adapts"
             )
-        base_reader = (
-            stack.enter_context(open_checkpoint(base)) if base is not None else smallest(readers)
-        )
-        appended = check_compatible(base_reader, [r for r in readers if r not in adapters])
+        # without a base the first model stands in for it: its names, shapes and config files
+        base_reader = stack.enter_context(open_checkpoint(base)) if base is not None else readers[0]
+        full = [reader for reader in readers if reader not in adapters]
+        appended = check_compatible(base_reader, full, stand_in=base is None)
         for adapter in adapters:
             adapter.check_against(base_reader)
+        merge_method.check_shapes(floating_shapes(base_reader), len(model_paths))
         writer = stack.enter_context(
             CheckpointWriter(
                 out,
