@@ -662,3 +662,17 @@ def test_mixed_8_bit_and_16_bit_models_without_a_base_name_both_files(tmp_path, 
     assert_one_line_error(err, f"{second}: tensor 'w' is torch.float8_e4m3fn but {first} has it "
                           "in torch.float16", "no common dtype", "give --base")  # fmt: skip
     assert not (tmp_path / "out").exists()
+
+
+def test_missing_base_advice_puts_base_before_a_double_dash(files, tmp_path, capsys):
+    """Before: ``... -- M1 M2 --base BASE``, where --base is read as a model; the advice, with
+    BASE filled in, now runs."""
+    base, models = files
+    out = tmp_path / "soup.safetensors"
+    code, _, err = run_main(capsys, "merge", "--method", "ta", "-o", out, "--", *models)
+    assert code == 2
+    advice = f"mloco merge --method ta -o {out} --base BASE -- {models[0]} {models[1]}"
+    assert_one_line_error(err, advice)
+    code, _, err = run_main(capsys, "merge", "-q", *advice.replace("BASE", str(base)).split()[2:])
+    assert code in (0, None), err
+    assert out.is_file()
