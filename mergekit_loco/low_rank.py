@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from mergekit_loco.io import CheckpointError, open_checkpoint
+from mergekit_loco.io.atomic import is_file_output
 from mergekit_loco.io.lora import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -180,7 +181,7 @@ def merge_to_lora(
         raise ValueError(
             f"--lora-output: only ta and mean of adapters are low-rank, not {method.name}"
         )
-    if Path(out).suffix == ".safetensors":
+    if is_file_output(Path(out)):
         raise ValueError(
             f"-o {out}: --lora-output writes an adapter folder ({ADAPTER_CONFIG} and "
             f"{ADAPTER_WEIGHTS}), not a .safetensors file; give a folder name"

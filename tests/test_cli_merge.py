@@ -628,6 +628,20 @@ def test_a_shape_the_method_cannot_merge_fails_before_any_compute(
     assert merged == [] and sorted(tmp_path.iterdir()) == before
 
 
+def test_missing_base_advice_puts_base_before_a_double_dash(files, tmp_path, capsys):
+    """Before: ``... -- M1 M2 --base BASE``, where --base is read as a model; the advice, with
+    BASE filled in, now runs."""
+    base, models = files
+    out = tmp_path / "soup.safetensors"
+    code, _, err = run_main(capsys, "merge", "--method", "ta", "-o", out, "--", *models)
+    assert code == 2
+    advice = f"mloco merge --method ta -o {out} --base BASE -- {models[0]} {models[1]}"
+    assert_one_line_error(err, advice)
+    code, _, err = run_main(capsys, "merge", "-q", *advice.replace("BASE", str(base)).split()[2:])
+    assert code in (0, None), err
+    assert out.is_file()
+
+
 @pytest.mark.parametrize("how", ["missing_key", "extra_key", "kind", "shape"])
 def test_without_a_base_messages_call_the_stand_in_the_first_model(tmp_path, capsys, how):
     """``--method mean`` without --base: the first model stands in for the base, so messages
@@ -664,15 +678,27 @@ def test_mixed_8_bit_and_16_bit_models_without_a_base_name_both_files(tmp_path, 
     assert not (tmp_path / "out").exists()
 
 
-def test_missing_base_advice_puts_base_before_a_double_dash(files, tmp_path, capsys):
-    """Before: ``... -- M1 M2 --base BASE``, where --base is read as a model; the advice, with
-    BASE filled in, now runs."""
+@pytest.mark.parametrize("name", [".safetensors", "sub/.safetensors"])
+def test_an_output_named_only_dot_safetensors_is_refused(files, tmp_path, capsys, name):
+    """Before, ``-o .safetensors`` (no suffix to Python: a dot-file) wrote a hidden folder. It
+    is neither ``NAME.safetensors`` nor a folder name: refused, by the CLI and by the API (for
+    --lora-output: tests/test_merge_lora.py); ``-o .x.safetensors`` is a (hidden) file, as is
+    any name ending in .safetensors."""
+    from mergekit_loco import merge_checkpoints
+    from mergekit_loco.io.atomic import OutputRefused
+
     base, models = files
-    out = tmp_path / "soup.safetensors"
-    code, _, err = run_main(capsys, "merge", "--method", "ta", "-o", out, "--", *models)
+    (tmp_path / "sub").mkdir()
+    out = tmp_path / name
+    code, _, err = run_main(capsys, "merge", *models, "--base", base, "-m", "ta", "-o", out)
     assert code == 2
-    advice = f"mloco merge --method ta -o {out} --base BASE -- {models[0]} {models[1]}"
-    assert_one_line_error(err, advice)
-    code, _, err = run_main(capsys, "merge", "-q", *advice.replace("BASE", str(base)).split()[2:])
+    assert_one_line_error(err, f"{out}: '.safetensors' alone names no output", "NAME.safetensors")
+    with pytest.raises(OutputRefused, match="alone names no output"):
+        merge_checkpoints(models, base, "ta", out, progress=False)
+    assert not out.exists() and not temp_leftovers(out.parent)
+    hidden = tmp_path / ".x.safetensors"
+    code, _, err = run_main(
+        capsys, "merge", *models, "--base", base, "-m", "ta", "-o", hidden, "-q"
+    )
     assert code in (0, None), err
-    assert out.is_file()
+    assert hidden.is_file()

@@ -504,15 +504,17 @@ def test_lora_output_writes_the_dtype_asked(adapters, tmp_path, capsys, dtype):
     ("extra", "out", "fragments"),
     [
         ([], "adapter.safetensors", ["-o", "adapter.safetensors", "writes an adapter folder"]),
+        ([], ".safetensors", ["'.safetensors' alone names no output (it would be a hidden"]),
         (["--shard-size", "1GB"], "adapter", ["--shard-size cannot be given with --lora-output"]),
         (["--shard-size", "5GB"], "adapter", ["--shard-size cannot be given with --lora-output"]),
         (["--device", "cpu"], "adapter", ["--device cannot be given with --lora-output"]),
     ],
-    ids=["file", "shard_size", "default_shard_size", "device"],
+    ids=["file", "dot-file", "shard_size", "default_shard_size", "device"],
 )
 def test_lora_output_refuses_options_it_cannot_honour(tmp_path, capsys, extra, out, fragments):
-    """Before, ``-o lo.safetensors`` made a folder named lo.safetensors, and --shard-size and
-    --device were silently ignored: each is refused by name, nothing written."""
+    """Before, ``-o lo.safetensors`` made a folder named lo.safetensors, ``-o .safetensors`` a
+    hidden folder, and --shard-size and --device were silently ignored: each is refused by
+    name, nothing written."""
     folder = write_factors(tmp_path / "ok", FACTORS)
     args = [folder, "-m", "ta", "--lora-output", *extra]
     assert_refused(capsys, tmp_path / out, args, *fragments)
