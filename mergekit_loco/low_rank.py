@@ -15,7 +15,6 @@ directions, so it runs on dense deltas). Every other method gets dense deltas ``
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Sequence
 from contextlib import ExitStack
@@ -25,6 +24,7 @@ from pathlib import Path
 import torch
 
 from mergekit_loco.io import CheckpointError, open_checkpoint
+from mergekit_loco.io.atomic import is_file_output
 from mergekit_loco.io.lora import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -97,10 +97,12 @@ def merge_from_factors(
     """``method`` on the deltas ``B_t A_t`` of one tensor, from the factors (see
     :func:`from_factors`); the result is m x n in ``dtype``."""
     count = len(items)
-    weights = task_weights(method.name, getattr(method, "weights", None), count) or (1.0,) * count
     if isinstance(method, Mean):
-        total = math.fsum(weights)
-        weights = tuple(weight / total for weight in weights)
+        weights = method.fractions(count)  # w_t / W
+    else:
+        weights = (
+            task_weights(method.name, getattr(method, "weights", None), count) or (1.0,) * count
+        )
     stacked = stacked_factors(items, weights, dtype, device)
     if stacked is None:
         return torch.zeros(shape, dtype=dtype, device=device)
@@ -125,6 +127,17 @@ def product_is_finite(left: torch.Tensor, right: torch.Tensor) -> bool:
     column_norms = torch.linalg.vector_norm(right.double(), dim=0)
     bound = row_norms.max() * column_norms.max()
     return bool(bound <= torch.finfo(left.dtype).max) or bool((left @ right).isfinite().all())
+
+
+def rank_pattern(ranks: dict[str, int], rank: int) -> dict[str, int]:
+    """The ``rank_pattern`` that gives each module its rank in ``ranks`` where the default is
+    ``rank``, under PEFT's rule (the first key that is the module's name or a dotted suffix of
+    it: :func:`~mergekit_loco.io.lora.pattern_matches`): the modules of another rank, and every
+    module whose name ends in ``.`` + one of those (else that key would apply to it), longest
+    first (so each module meets its own key first)."""
+    other = {module for module, value in ranks.items() if value != rank}
+    keys = other | {module for module in ranks if any(module.endswith(f".{k}") for k in other)}
+    return {module: ranks[module] for module in sorted(keys, key=lambda key: (-len(key), key))}
 
 
 def check_same_shapes(adapters: Sequence[LoraAdapter]) -> None:
@@ -168,7 +181,7 @@ def merge_to_lora(
         raise ValueError(
             f"--lora-output: only ta and mean of adapters are low-rank, not {method.name}"
         )
-    if Path(out).suffix == ".safetensors":
+    if is_file_output(Path(out)):
         raise ValueError(
             f"-o {out}: --lora-output writes an adapter folder ({ADAPTER_CONFIG} and "
             f"{ADAPTER_WEIGHTS}), not a .safetensors file; give a folder name"
@@ -177,6 +190,7 @@ def merge_to_lora(
         if not value.is_floating_point:
             raise ValueError(f"{option}: {value} is not a floating-point dtype")
     scale = checked_scale(scale, compute_dtype)
+    method.check_tasks(len(adapter_paths))
     check_distinct([Path(path) for path in adapter_paths], Path(base) if base is not None else None)
     with ExitStack() as stack:
         adapters = []
@@ -192,9 +206,10 @@ def merge_to_lora(
                 adapter.check_against(base_reader)
         check_same_shapes(adapters)
         count = len(adapters)
-        weights = task_weights(method.name, method.weights, count) or (1.0,) * count
         if isinstance(method, Mean):
-            weights = tuple(weight / math.fsum(weights) for weight in weights)
+            weights = method.fractions(count)  # w_t / W
+        else:
+            weights = task_weights(method.name, method.weights, count) or (1.0,) * count
         tensors, ranks = {}, {}
         names = list(dict.fromkeys(name for adapter in adapters for name in adapter.targets()))
         for name in names:
@@ -212,7 +227,7 @@ def merge_to_lora(
             tensors[f"{key}.lora_B.weight"], tensors[f"{key}.lora_A.weight"] = lora_b, lora_a
             ranks[module] = lora_a.shape[0]
         rank = Counter(ranks.values()).most_common(1)[0][0]
-        pattern = {module: r for module, r in ranks.items() if r != rank}
+        pattern = rank_pattern(ranks, rank)
         config = adapters[0].config | {
             "r": rank,
             "lora_alpha": rank,

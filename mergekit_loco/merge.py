@@ -36,6 +36,7 @@ from mergekit_loco.merge_checks import (
     check_distinct,
     checked_scale,
     config_source,
+    floating_shapes,
 )
 from mergekit_loco.methods import MergeMethod, get_method
 from mergekit_loco.methods.base import check_implemented, promoted_dtype, sum_of
@@ -134,28 +135,17 @@ def read_inputs(
     compute_dtype: torch.dtype,
 ) -> list:
     """``[base tensor, model_1 input, ..]`` of ``name``: a model's tensor, None for a model that
-    is the base, a :class:`LowRankDelta` for a LoRA adapter."""
+    is the base, a :class:`LowRankDelta` for a LoRA adapter (its factors in the compute dtype of
+    the base's tensor, :func:`at_least`: a float64 base is not rounded through float32)."""
     inputs: list = [read_finite(base, name)]
+    factor_dtype = at_least(compute_dtype, inputs[0].dtype)
     for model in models:
         if isinstance(model, LoraAdapter):
-            factors = model.factors(name, compute_dtype) if name in model else (None, None)
+            factors = model.factors(name, factor_dtype) if name in model else (None, None)
             inputs.append(LowRankDelta(*factors))
         else:
             inputs.append(None if model is base else read_finite(model, name))
     return inputs
-
-
-def common_dtype(name: str, tensors: Sequence[torch.Tensor]) -> torch.dtype:
-    """:func:`~mergekit_loco.methods.base.promoted_dtype` of ``tensors``; a ``ValueError``
-    naming ``name`` where torch has none (8-bit floats)."""
-    try:
-        return promoted_dtype(tensors)
-    except RuntimeError:
-        dtypes = " and ".join(sorted({str(tensor.dtype) for tensor in tensors}))
-        raise ValueError(
-            f"tensor {name!r} is {dtypes} in different models, which have no common dtype; give "
-            "--base (its dtype is the output's)"
-        ) from None
 
 
 def summing_dtype(compute_dtype: torch.dtype, base_free: bool) -> torch.dtype:
@@ -189,7 +179,7 @@ def merge_one(
     base_tensor = inputs.pop(0)
     if base_free:
         inputs[:] = [base_tensor if item is None else item for item in inputs]
-        dtype = common_dtype(name, [item for item in inputs if isinstance(item, torch.Tensor)])
+        dtype = promoted_dtype(inputs)  # one exists: merge_checks.check_common_dtype
         base_tensor = torch.zeros(base_tensor.shape, dtype=dtype)
     out_dtype = out_dtype or base_tensor.dtype
     compute_dtype = at_least(compute_dtype, base_tensor.dtype)
@@ -292,14 +282,6 @@ def prefetched_inputs(
     )
 
 
-def smallest(readers: Sequence[CheckpointReader]) -> CheckpointReader:
-    """The model with the fewest entries (the first of those), which stands in for the base
-    without one: its tensor names, shapes and config files (a model whose fine-tune added
-    vocabulary rows never does); the merge itself treats it as a model (``base_free`` in
-    :func:`merge_one`)."""
-    return min(readers, key=lambda r: sum(math.prod(r.shape(name)) for name in r.names()))
-
-
 def resolve_method(method: str | MergeMethod, params: dict) -> MergeMethod:
     """``get_method(method, **params)``, or a method object as given once it provides what a
     merge needs (:func:`~mergekit_loco.methods.base.check_implemented`: a name and its math),
@@ -353,8 +335,8 @@ def merge_checkpoints(
     their dtype (a merged value beyond its range is an error, not a silent NaN).
     ``base=None`` is allowed for methods that need none (``mean``): the result is
     ``mean(models)`` in the dtype the models' dtypes promote to (``scale`` must be 1; a tensor
-    that is not merged must be equal in every model), and the model with the fewest entries
-    (:func:`smallest`) gives the tensor list and the config files.
+    that is not merged must be equal in every model, and every model must have the same
+    shapes), and the first model gives the tensor list and the config files.
     ``out`` ending in ``.safetensors`` is a file, anything else a Hugging Face folder with the
     base's config and tokenizer files.
 
@@ -397,12 +379,13 @@ def merge_checkpoints(
             raise MissingBaseError(
                 f"{adapters[0].path} is a LoRA adapter (a delta): give --base, the model it adapts"
             )
-        base_reader = (
-            stack.enter_context(open_checkpoint(base)) if base is not None else smallest(readers)
-        )
-        appended = check_compatible(base_reader, [r for r in readers if r not in adapters])
+        # without a base the first model stands in for it: its names, shapes and config files
+        base_reader = stack.enter_context(open_checkpoint(base)) if base is not None else readers[0]
+        full = [reader for reader in readers if reader not in adapters]
+        appended = check_compatible(base_reader, full, stand_in=base is None)
         for adapter in adapters:
             adapter.check_against(base_reader)
+        merge_method.check_shapes(floating_shapes(base_reader), len(model_paths))
         writer = stack.enter_context(
             CheckpointWriter(
                 out,

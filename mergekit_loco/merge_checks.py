@@ -3,6 +3,7 @@ output's config and tokenizer come from."""
 
 from __future__ import annotations
 
+import itertools
 import numbers
 import os
 from collections.abc import Sequence
@@ -90,26 +91,30 @@ def dtype_kind(dtype: torch.dtype) -> str:
     return "bool" if dtype == torch.bool else "integer"
 
 
-def added_rows(name: str, base: CheckpointReader, models: Sequence[CheckpointReader]) -> int | None:
+def added_rows(name: str, base: CheckpointReader, models: Sequence[CheckpointReader]) -> int:
     """Rows that fine-tunes appended to 2-D tensor ``name`` (added tokens in an embedding or
-    lm_head): 0 if every model has the base's shape, None if a shape differs otherwise.
+    lm_head): 0 if every model has the base's shape.
 
-    Every model must have either the base's rows or ``base rows + added`` with one common
-    ``added > 0``; different added counts raise :class:`CheckpointError`.
+    Every model must have either the base's shape or ``base rows + added`` rows with one common
+    ``added > 0``; any other shape, or different added counts, raise :class:`CheckpointError`
+    naming the model at fault.
     """
     base_shape = base.shape(name)
-    shapes = [model.shape(name) for model in models]
-    if all(shape == base_shape for shape in shapes):
+    extended = []
+    for model in models:
+        shape = model.shape(name)
+        if shape == base_shape:
+            continue
+        if not (len(base_shape) == len(shape) == 2 and shape[1] == base_shape[1]
+                and shape[0] > base_shape[0]):  # fmt: skip
+            raise CheckpointError(
+                f"{model.file_of(name)}: tensor {name!r} has shape {list(shape)} but the base "
+                f"({base.file_of(name)}) has {list(base_shape)} (only rows appended to a 2-D "
+                "tensor, i.e. added tokens, can be merged)"
+            )
+        extended.append((model, shape[0]))
+    if not extended:
         return 0
-    if len(base_shape) != 2 or any(
-        len(shape) != 2 or shape[1] != base_shape[1] or shape[0] < base_shape[0] for shape in shapes
-    ):
-        return None
-    extended = [
-        (model, shape[0])
-        for model, shape in zip(models, shapes, strict=True)
-        if shape != base_shape
-    ]
     first_model, first_rows = extended[0]
     for model, rows in extended[1:]:
         if rows != first_rows:
@@ -121,42 +126,80 @@ def added_rows(name: str, base: CheckpointReader, models: Sequence[CheckpointRea
     return first_rows - base_shape[0]
 
 
-def check_compatible(base: CheckpointReader, models: Sequence[CheckpointReader]) -> dict:
-    """Same tensor names, shapes and dtype kinds in every model as in the base (headers only),
+def check_same_shape(name: str, first: CheckpointReader, model: CheckpointReader) -> None:
+    """Without a base every model has the first one's shape of tensor ``name``: which rows a
+    fine-tune appended (added tokens) is known only against the base."""
+    shape, first_shape = model.shape(name), first.shape(name)
+    if shape == first_shape:
+        return
+    where = f"{model.file_of(name)}: tensor {name!r} has"
+    if len(shape) == len(first_shape) == 2 and shape[1] == first_shape[1]:
+        raise CheckpointError(
+            f"{where} {shape[0]} rows but {first.file_of(name)} has {first_shape[0]}: models "
+            "with different vocabularies (added tokens) merge only with --base, which tells the "
+            "rows they share from the rows each appended; give --base"
+        )
+    raise CheckpointError(
+        f"{where} shape {list(shape)} but the first model ({first.file_of(name)}) has "
+        f"{list(first_shape)}; without --base every model must have the same shapes"
+    )
+
+
+def check_common_dtype(name: str, models: Sequence[CheckpointReader]) -> None:
+    """Without a base, floating tensor ``name`` is written in the dtype the models' dtypes
+    promote to; torch promotes 8-bit floats with no other dtype."""
+    holders: dict[torch.dtype, CheckpointReader] = {}  # each dtype -> the first model of it
+    for model in models:
+        holders.setdefault(model.dtype(name), model)
+    for first, second in itertools.combinations(holders, 2):
+        try:
+            torch.promote_types(first, second)
+        except RuntimeError:
+            raise CheckpointError(
+                f"{holders[second].file_of(name)}: tensor {name!r} is {second} but "
+                f"{holders[first].file_of(name)} has it in {first}, which have no common dtype; "
+                "give --base (its dtype is the output's)"
+            ) from None
+
+
+def check_compatible(
+    base: CheckpointReader, models: Sequence[CheckpointReader], stand_in: bool = False
+) -> dict:
+    """Same tensor names, shapes and dtype kinds in every model as in ``base`` (headers only),
     except for rows appended to 2-D tensors (see :func:`added_rows`).
 
+    ``stand_in``: ``base`` is the first model of a merge without a base; every model then has
+    its shapes (:func:`check_same_shape`) and floating dtypes with a common one
+    (:func:`check_common_dtype`), and messages call it the first model.
     Returns ``{name: added rows}`` for the tensors with appended rows.
     """
+    owner_name = "the first model" if stand_in else "the base"
+    owner = f"{owner_name} ({base.path})"
     appended = {}
     for model in models:
         if model is base:
             continue
         for name in base.names():
             if name not in model:
-                raise CheckpointError(
-                    f"{model.path}: tensor {name!r} of the base ({base.path}) is missing"
-                )
+                raise CheckpointError(f"{model.path}: tensor {name!r} of {owner} is missing")
         extra = next((name for name in model.names() if name not in base), None)
         if extra is not None:
-            raise CheckpointError(
-                f"{model.path}: tensor {extra!r} is not in the base ({base.path})"
-            )
+            raise CheckpointError(f"{model.path}: tensor {extra!r} is not in {owner}")
         for name in base.names():
             kind, base_kind = dtype_kind(model.dtype(name)), dtype_kind(base.dtype(name))
             if kind != base_kind:
                 raise CheckpointError(
                     f"{model.file_of(name)}: tensor {name!r} is {kind} ({model.dtype(name)}) but "
-                    f"the base's is {base_kind} ({base.dtype(name)})"
+                    f"{owner_name}'s is {base_kind} ({base.dtype(name)}, in {base.file_of(name)})"
                 )
+            if stand_in:
+                check_same_shape(name, base, model)
     for name in base.names():
+        if stand_in:
+            if base.dtype(name).is_floating_point:
+                check_common_dtype(name, models)
+            continue
         rows = added_rows(name, base, models)
-        if rows is None:
-            model = next(m for m in models if m.shape(name) != base.shape(name))
-            raise CheckpointError(
-                f"{model.file_of(name)}: tensor {name!r} has shape {list(model.shape(name))}"
-                f" but the base ({base.file_of(name)}) has {list(base.shape(name))}"
-                " (only rows appended to a 2-D tensor, i.e. added tokens, can be merged)"
-            )
         if rows and not base.dtype(name).is_floating_point:
             raise CheckpointError(
                 f"{base.file_of(name)}: tensor {name!r} is not floating point; rows appended "
@@ -165,6 +208,15 @@ def check_compatible(base: CheckpointReader, models: Sequence[CheckpointReader])
         if rows:
             appended[name] = rows
     return appended
+
+
+def floating_shapes(reader: CheckpointReader) -> dict[str, tuple[int, ...]]:
+    """``{name: shape}`` of the floating tensors of ``reader``: those a merge merges."""
+    return {
+        name: tuple(reader.shape(name))
+        for name in reader.names()
+        if reader.dtype(name).is_floating_point
+    }
 
 
 def config_source(

@@ -20,11 +20,15 @@ mergekit defines them (``tau_t = model_t - base``, weights ``w_t``, ``W = sum_t 
   disjoint mean -> ``dare`` with ``consensus`` (both with ``zero_sign`` positive);
 - ``breadcrumbs``: ``theta = base + lambda sum_t w_t band(tau_t)`` -> ``breadcrumbs``.
 
-mloco's own method names (``mean``, ``ta``, ``ties``, ``dare``, ``breadcrumbs``, ``tsv``,
-``iso-c``, ``iso-cts``) are accepted in the same format: top-level ``parameters`` are the
-method's parameters, per-model ``weight`` goes to methods that take weights, ``lambda`` is
-``--scale``. Anything mergekit has that mloco does not (slices, tokenizer options, layer-wise
-parameter gradients, other methods, options like ``rescale`` on TIES) is an error naming it.
+mloco's own method names that mergekit lacks (``mean``, ``ta``, ``dare``, ``tsv``, ``iso-c``,
+``iso-cts``) are accepted in the same format: top-level ``parameters`` are the method's
+parameters, per-model ``weight`` goes to methods that take weights, ``lambda`` is ``--scale``.
+``ties`` and ``breadcrumbs`` are mergekit's names too and mean mergekit's methods, as a mergekit
+YAML means them (mloco's own ties, with the TIES code's trim, runs from the command line).
+A ``weight`` given for some models but not for all is an error naming the models without one
+(mergekit's methods need one for every model). Anything mergekit has that mloco does not
+(slices, tokenizer options, layer-wise parameter gradients, other methods, options like
+``rescale`` on TIES) is an error naming it.
 
 The file is read as hostile (:func:`read_yaml`, with the loader ``mloco train --config``
 shares: :mod:`mergekit_loco.io.yaml_config`): at most 1 MiB, nesting and alias expansion
@@ -44,7 +48,8 @@ import yaml
 from mergekit_loco.io.files import read_limited
 from mergekit_loco.io.yaml_config import MAX_CONFIG_BYTES, ConfigFileError, bounded, load_yaml
 from mergekit_loco.merge_checks import same_checkpoint
-from mergekit_loco.methods import METHODS
+from mergekit_loco.methods import METHODS, get_method
+from mergekit_loco.methods.mean import weight_sum
 
 #: mergekit method -> (mloco method, parameter defaults as mergekit has them)
 SHARED_METHODS: dict[str, tuple[str, dict]] = {
@@ -171,18 +176,62 @@ def model_entries(path: Path, config: dict) -> list[tuple[Path, dict]]:
     return entries
 
 
-def per_model(
-    path: Path, name: str, entries: list, shared: dict, defaults: dict
-) -> list[float] | None:
-    """Parameter ``name`` of every model: its own value, else the top-level one, else the
-    default; None where none is given and there is no default."""
-    values = []
-    for model, parameters in entries:
-        value = parameters.get(name, shared.get(name, defaults.get(name)))
-        if value is None:
-            return None
-        values.append(number(path, f"{model}: parameter {name!r}", value))
-    return values
+def check_listed_once(path: Path, entries: list) -> None:
+    """Each model listed once (by any path to it: :func:`same_checkpoint`); to weight a model
+    more, its ``weight`` says so."""
+    for index, (model, _) in enumerate(entries):
+        for earlier, (other, _) in enumerate(entries[:index]):
+            if same_checkpoint(model, other):
+                also = f"models[{earlier + 1}]" + ("" if model == other else f" {other}")
+                raise MergeConfigError(
+                    f"{path}: models[{index + 1}] {model} is listed twice (also as "
+                    f"{also}); list each model once (a larger 'weight' weights it more)"
+                )
+
+
+def per_model(path: Path, name: str, entries: list, shared: dict, default: object) -> list[float]:
+    """Parameter ``name`` of every model: its own value, else the top-level one, else
+    ``default``."""
+    fallback = shared.get(name, default)
+    return [
+        number(path, f"{model}: parameter {name!r}", parameters.get(name, fallback))
+        for model, parameters in entries
+    ]
+
+
+def model_weights(path: Path, method: str, entries: list, shared: dict) -> list[float] | None:
+    """Each model's ``weight``: its own, else the top-level one; None where no model has one
+    (an unweighted merge), which only mloco's own methods allow (mergekit's need a weight for
+    every model). A weight for some models but not for all is an error naming those without."""
+    lacking = [str(model) for model, parameters in entries if "weight" not in parameters]
+    if "weight" in shared or not lacking:
+        return per_model(path, "weight", entries, shared, None)
+    names = ", ".join(lacking[:3]) + (f" and {len(lacking) - 3} more" if len(lacking) > 3 else "")
+    if method in SHARED_METHODS:
+        raise MergeConfigError(
+            f"{path}: {method!r} needs a 'weight' for every model (as in mergekit); none for "
+            f"{names}"
+        )
+    if len(lacking) < len(entries):
+        raise MergeConfigError(
+            f"{path}: a 'weight' is given for some models but not for {names}; give one to every "
+            "model (or one for all under top-level parameters), or to none"
+        )
+    return None
+
+
+def namesake_parameter(method: str, key: str, value: object) -> str:
+    """Where parameter ``key`` of mloco's own method named like mergekit's ``method`` (``trim``
+    of ``ties``) can be given: on the command line, since in a YAML the name means mergekit's
+    method; empty for any other key."""
+    if method not in METHODS or key not in METHODS[method].parameter_names():
+        return ""
+    option = f"{key}={str(value)[:40]}"
+    return (
+        f"; {key!r} is a parameter of mloco's own {method}, but merge_method: {method} in a YAML "
+        f"means mergekit's {method}, as it does in mergekit; for mloco's {method} with {option}, "
+        f"run: mloco merge MODEL... --base BASE --method {method} --option {option}"
+    )
 
 
 def check_known(path: Path, method: str, entries: list, shared: dict, known: set) -> None:
@@ -191,6 +240,7 @@ def check_known(path: Path, method: str, entries: list, shared: dict, known: set
             raise MergeConfigError(
                 f"{path}: parameter {bounded(key)} of {method!r} is not supported by mloco "
                 f"(supported: {', '.join(sorted(known))})"
+                f"{namesake_parameter(method, key, shared[key])}"
             )
     per_model_known = [key for key in PER_MODEL if key in known]
     for model, parameters in entries:
@@ -216,13 +266,8 @@ def shared_method(path: Path, method: str, entries: list, shared: dict, base) ->
             raise MergeConfigError(
                 f"{path}: {flag} must be true or false, not {bounded(settings[flag])}"
             )
-    weights = per_model(path, "weight", entries, shared, {})
-    if weights is None:
-        model = next(m for m, p in entries if "weight" not in p)
-        raise MergeConfigError(
-            f"{path}: {model}: {method!r} needs a 'weight' for every model (as in mergekit)"
-        )
-    total = math.fsum(weights)
+    weights = model_weights(path, method, entries, shared)
+    total = weight_sum(method, weights)
     params: dict = {}
     if ours == "mean":
         if not settings["normalize"] and not math.isclose(total, 1.0):
@@ -237,7 +282,7 @@ def shared_method(path: Path, method: str, entries: list, shared: dict, base) ->
         raise MergeConfigError(f"{path}: {method!r} needs base_model")
     for name in ("density", "gamma"):
         if name in defaults:
-            params[name] = one_or_each(per_model(path, name, entries, shared, defaults))
+            params[name] = one_or_each(per_model(path, name, entries, shared, defaults[name]))
     if settings.get("rescale") and ours != "dare":
         raise MergeConfigError(f"{path}: parameter 'rescale: true' of {method!r} is not supported")
     if ours == "ties":
@@ -272,7 +317,7 @@ def own_method(path: Path, method: str, entries: list, shared: dict) -> tuple:
                 f"{', '.join(sorted(fields)) or 'no parameters'} (and lambda)"
             )
     params = {key: value for key, value in shared.items() if key in fields}
-    weights = per_model(path, "weight", entries, shared, {})
+    weights = model_weights(path, method, entries, shared)
     for model, parameters in entries:
         unknown = sorted(set(parameters) - {"weight"})
         if unknown:
@@ -299,7 +344,7 @@ def load_merge_config(path: str | Path) -> ConfiguredMerge:
             raise MergeConfigError(f"{path}: unknown key {bounded(key)} (expected: {expected})")
     method = config.get("merge_method")
     if not isinstance(method, str) or (method not in SHARED_METHODS and method not in METHODS):
-        names = ", ".join([*SHARED_METHODS, *METHODS])
+        names = ", ".join(dict.fromkeys([*SHARED_METHODS, *METHODS]))
         raise MergeConfigError(
             f"{path}: merge_method {bounded(method)} is not supported (use: {names})"
         )
@@ -308,20 +353,32 @@ def load_merge_config(path: str | Path) -> ConfiguredMerge:
         raise MergeConfigError(f"{path}: base_model must be a path, not {bounded(base_model)}")
     base = Path(base_model) if base_model is not None else None
     entries = model_entries(path, config)
+    check_listed_once(path, entries)
     if base is not None and method != "linear":
         entries = [
             (model, parameters) for model, parameters in entries if not same_checkpoint(model, base)
         ]
+        if not entries:
+            raise MergeConfigError(
+                f"{path}: the only model listed is base_model ({base}), which is "
+                "skipped as mergekit skips it; list the fine-tuned models to merge"
+            )
     shared = config.get("parameters") or {}
     if not isinstance(shared, dict):
         raise MergeConfigError(f"{path}: 'parameters' must be a mapping")
     shared = {key: scalar(path, "top-level", key, value) for key, value in shared.items()}
-    if method in SHARED_METHODS:
-        ours, params, scale = shared_method(path, method, entries, shared, base)
-        if method == "linear":
-            base = None
-    else:
-        ours, params, scale = own_method(path, method, entries, shared)
+    try:
+        if method in SHARED_METHODS:
+            ours, params, scale = shared_method(path, method, entries, shared, base)
+            if method == "linear":
+                base = None
+        else:
+            ours, params, scale = own_method(path, method, entries, shared)
+        get_method(ours, **params).check_tasks(len(entries))
+    except MergeConfigError:
+        raise
+    except ValueError as error:  # a method parameter out of range or of the wrong type
+        raise MergeConfigError(f"{path}: {error}") from None
     compute = parse_dtype(path, "dtype", config["dtype"]) if "dtype" in config else torch.float32
     out = config.get("out_dtype", config.get("dtype"))
     return ConfiguredMerge(

@@ -594,3 +594,111 @@ def test_a_config_is_left_alone_when_several_dtypes_are_written(tmp_path, capsys
     assert code in (0, None), err
     assert (out / "config.json").read_bytes() == (base / "config.json").read_bytes()
     assert {t.dtype for t in load_state_dict(out).values()} == {torch.float32, torch.float64}
+
+
+@pytest.mark.parametrize(
+    ("method", "options", "fragment"),
+    [
+        ("tsv", [], "leaves no singular component"),
+        ("iso-cts", ["--common-fraction", "0"], "cannot hold 2 task-specific"),
+    ],
+)
+def test_a_shape_the_method_cannot_merge_fails_before_any_compute(
+    tmp_path, capsys, monkeypatch, method, options, fragment
+):
+    """Before, TSV merged 3000 tensors and only then failed on the last one, a (1, 8) head.
+    The method's ``check_shapes`` now runs on the headers: no tensor is merged, nothing is
+    written, no output is staged."""
+    from mergekit_loco.methods import METHODS
+
+    generator = torch.Generator().manual_seed(0)
+    base = {f"t{index:04d}": torch.randn(8, 8, generator=generator) for index in range(400)}
+    base["zz_score.weight"] = torch.randn(1 if method == "tsv" else 3, 8, generator=generator)
+    paths = [write_state_dict(base, tmp_path / "base.safetensors")]
+    for index in range(2):
+        tuned = {n: t + 0.1 * torch.randn(t.shape, generator=generator) for n, t in base.items()}
+        paths.append(write_state_dict(tuned, tmp_path / f"m{index}.safetensors"))
+    merged = []
+    monkeypatch.setattr(METHODS[method], "merge_tensor", lambda self, name, d: merged.append(name))
+    before = sorted(tmp_path.iterdir())
+    code, _, err = run_main(capsys, "merge", *paths[1:], "--base", paths[0], "-m", method,
+                            *options, "-o", tmp_path / "out.safetensors")  # fmt: skip
+    assert code == 2
+    assert_one_line_error(err, f"{method}: tensor 'zz_score.weight'", fragment)
+    assert merged == [] and sorted(tmp_path.iterdir()) == before
+
+
+def test_missing_base_advice_puts_base_before_a_double_dash(files, tmp_path, capsys):
+    """Before: ``... -- M1 M2 --base BASE``, where --base is read as a model; the advice, with
+    BASE filled in, now runs."""
+    base, models = files
+    out = tmp_path / "soup.safetensors"
+    code, _, err = run_main(capsys, "merge", "--method", "ta", "-o", out, "--", *models)
+    assert code == 2
+    advice = f"mloco merge --method ta -o {out} --base BASE -- {models[0]} {models[1]}"
+    assert_one_line_error(err, advice)
+    code, _, err = run_main(capsys, "merge", "-q", *advice.replace("BASE", str(base)).split()[2:])
+    assert code in (0, None), err
+    assert out.is_file()
+
+
+@pytest.mark.parametrize("how", ["missing_key", "extra_key", "kind", "shape"])
+def test_without_a_base_messages_call_the_stand_in_the_first_model(tmp_path, capsys, how):
+    """``--method mean`` without --base: the first model stands in for the base, so messages
+    said "of the base (M1)" of a base the user never gave. They now say the first model."""
+    first = write_state_dict(
+        {"w": torch.ones(4, 3), "b": torch.ones(3)}, tmp_path / "m1.safetensors"
+    )
+    state = {"w": torch.zeros(4, 3), "b": torch.zeros(3)}
+    if how == "missing_key":
+        del state["b"]
+    elif how == "extra_key":
+        state["extra"] = torch.zeros(2)
+    elif how == "kind":
+        state["b"] = torch.zeros(3, dtype=torch.int64)
+    else:
+        state["w"] = torch.zeros(3, 4)
+    second = write_state_dict(state, tmp_path / "m2.safetensors")
+    code, _, err = run_main(capsys, "merge", first, second, "-m", "mean", "-o", tmp_path / "out")
+    assert code == 2
+    assert_one_line_error(err, str(second), "the first model", str(first))
+    assert "base" not in err.replace(str(tmp_path), "").replace("--base", "")
+
+
+def test_mixed_8_bit_and_16_bit_models_without_a_base_name_both_files(tmp_path, capsys):
+    """Before: ``tensor 'w' is torch.float16 and torch.float8_e4m3fn in different models``, no
+    file named; now from the headers, before any compute."""
+    first = write_state_dict({"w": torch.ones(4, 3).half()}, tmp_path / "half.safetensors")
+    second = write_state_dict({"w": torch.ones(4, 3).to(torch.float8_e4m3fn)},
+                              tmp_path / "eight.safetensors")  # fmt: skip
+    code, _, err = run_main(capsys, "merge", first, second, "-m", "mean", "-o", tmp_path / "out")
+    assert code == 2
+    assert_one_line_error(err, f"{second}: tensor 'w' is torch.float8_e4m3fn but {first} has it "
+                          "in torch.float16", "no common dtype", "give --base")  # fmt: skip
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", [".safetensors", "sub/.safetensors"])
+def test_an_output_named_only_dot_safetensors_is_refused(files, tmp_path, capsys, name):
+    """Before, ``-o .safetensors`` (no suffix to Python: a dot-file) wrote a hidden folder. It
+    is neither ``NAME.safetensors`` nor a folder name: refused, by the CLI and by the API (for
+    --lora-output: tests/test_merge_lora.py); ``-o .x.safetensors`` is a (hidden) file, as is
+    any name ending in .safetensors."""
+    from mergekit_loco import merge_checkpoints
+    from mergekit_loco.io.atomic import OutputRefused
+
+    base, models = files
+    (tmp_path / "sub").mkdir()
+    out = tmp_path / name
+    code, _, err = run_main(capsys, "merge", *models, "--base", base, "-m", "ta", "-o", out)
+    assert code == 2
+    assert_one_line_error(err, f"{out}: '.safetensors' alone names no output", "NAME.safetensors")
+    with pytest.raises(OutputRefused, match="alone names no output"):
+        merge_checkpoints(models, base, "ta", out, progress=False)
+    assert not out.exists() and not temp_leftovers(out.parent)
+    hidden = tmp_path / ".x.safetensors"
+    code, _, err = run_main(
+        capsys, "merge", *models, "--base", base, "-m", "ta", "-o", hidden, "-q"
+    )
+    assert code in (0, None), err
+    assert hidden.is_file()

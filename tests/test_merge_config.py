@@ -490,3 +490,134 @@ def test_yaml_1_2_floats_are_numbers(family, tmp_path, capsys, written, value):
 def test_error_messages_show_a_big_value_cut_short(tmp_path, capsys, value, shown):
     config, line = config_error(capsys, tmp_path, f"merge_method: {value}\nmodels: [a]\n")
     assert line.startswith(f"error: {config}: merge_method {shown} is not supported (use: ")
+
+
+# -- per-model weights: all or none ---------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("method", "fragments"),
+    [
+        ("ta", ["'weight' is given for some models but not for", "or to none"]),
+        ("iso-c", ["'weight' is given for some models but not for", "or to none"]),
+        ("task_arithmetic", ["'task_arithmetic' needs a 'weight' for every model", "none for"]),
+        ("linear", ["'linear' needs a 'weight' for every model", "none for"]),
+        ("ties", ["'ties' needs a 'weight' for every model", "none for"]),
+    ],
+)
+def test_a_weight_for_some_models_only_is_refused_naming_those_without(
+    family, tmp_path, capsys, method, fragments
+):
+    """Before, ``ta`` dropped ft1's weight in silence when ft2 had none, and ``iso-c``, which
+    takes no weights, merged such a file. One rule for mloco's names and mergekit's: a weight
+    for some models but not all is an error naming the file and the models without one."""
+    models = [("ft1", {"weight": 2}), ("ft2", None), ("ft3", {"weight": 1})]
+    config = write_config(tmp_path, family, method, models)
+    code, _, err = run_main(capsys, "merge", "--config", config, "-o", tmp_path / "out")
+    assert code == 2
+    assert_one_line_error(err, f"error: {config}: ", *fragments, str(family["ft2"]))
+    assert str(family["ft1"]) not in err and str(family["ft3"]) not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_top_level_weight_fills_the_models_without_one(family, tmp_path, capsys):
+    """``parameters: {weight: 3}`` is every model's weight unless the model gives its own, for
+    mloco's ``ta`` as for mergekit's methods: ``theta = base + 1 tau_1 + 3 tau_2``."""
+    models = [("ft1", {"weight": 1}), ("ft2", None)]
+    config = write_config(tmp_path, family, "ta", models, {"weight": 3})
+    merged = merge_with_config(capsys, config, tmp_path / "out.safetensors")
+    base, one, two = states(family, "base", "ft1", "ft2")
+    expected = {n: theta + (one[n] - theta) + 3 * (two[n] - theta) for n, theta in base.items()}
+    assert_all_close(merged, expected)
+
+
+# -- ties and breadcrumbs are mergekit's in a YAML -------------------------------------------------
+def test_yaml_ties_is_mergekits_and_trim_points_to_the_command_line(family, tmp_path, capsys):
+    """``merge_method: ties`` means mergekit's TIES, as in mergekit (mergekit's trim, + where a
+    sum is 0); ``trim: reference`` (mloco's own ties) is answered with the command that runs it."""
+    models = [("ft1", {"weight": 1}), ("ft2", {"weight": 1})]
+    config = write_config(tmp_path, family, "ties", models, {"density": 0.5})
+    configured = load_merge_config(config)
+    assert (configured.method, configured.params["trim"]) == ("ties", "mergekit")
+    assert configured.params["zero_sign"] == "positive"
+    config = write_config(tmp_path, family, "ties", models, {"density": 0.5, "trim": "reference"})
+    code, _, err = run_main(capsys, "merge", "--config", config, "-o", tmp_path / "out")
+    assert code == 2
+    assert_one_line_error(
+        err,
+        f"error: {config}: parameter 'trim' of 'ties' is not supported",
+        "merge_method: ties in a YAML means mergekit's ties",
+        "mloco merge MODEL... --base BASE --method ties --option trim=reference",
+    )
+
+
+# -- errors name the YAML file --------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("method", "models", "parameters", "fragment"),
+    [
+        ("ties", [("ft1", {"weight": 1})], {"density": 1.5}, "ties: density must lie in (0, 1]"),
+        ("iso-c", [("ft1", None)], {"spectral": "svd"}, "iso-c: spectral must be one of"),
+        ("tsv", [("ft1", None)], {"rank_aware": "yes"}, "rank_aware must be true or false"),
+        ("linear", [("ft1", {"weight": 1}), ("ft2", {"weight": -1})], None, "weights sum to 0"),
+        (
+            "mean",
+            [("ft1", {"weight": 1e308}), ("ft2", {"weight": 1e308})],
+            None,
+            "mean: weights (1e+308, 1e+308) sum beyond the largest float",
+        ),
+    ],
+    ids=["density", "spectral", "rank_aware", "weights-0", "weights-overflow"],
+)
+def test_method_parameter_errors_name_the_yaml_file(
+    family, tmp_path, capsys, method, models, parameters, fragment
+):
+    """Before, a parameter out of range came from the method with no file named (and weights of
+    1e308 gave ``error: intermediate overflow in fsum``)."""
+    config = write_config(tmp_path, family, method, models, parameters, base=method != "linear")
+    code, _, err = run_main(capsys, "merge", "--config", config, "-o", tmp_path / "out")
+    assert code == 2
+    assert_one_line_error(err, f"error: {config}: ", fragment)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_model_listed_twice_is_named(family, tmp_path, capsys):
+    """Before: ``M: given twice as a model ... give a mergekit YAML with per-model weight``, a
+    command-line message about a YAML that is one."""
+    link = tmp_path / "ft1-link.safetensors"
+    link.symlink_to(family["ft1"])
+    for second, also in (
+        (family["ft1"], "(also as models[1])"),
+        (link, f"models[1] {family['ft1']}"),
+    ):
+        config = tmp_path / "merge.yml"
+        config.write_text(
+            f"merge_method: ta\nbase_model: {family['base']}\nmodels:\n"
+            f"  - model: {family['ft1']}\n  - model: {second}\n"
+        )
+        code, _, err = run_main(capsys, "merge", "--config", config, "-o", tmp_path / "out")
+        assert code == 2
+        assert_one_line_error(err, f"error: {config}: models[2] {second} is listed twice", also)
+
+
+def test_a_yaml_listing_only_the_base_says_so(family, tmp_path, capsys):
+    """Before: ``error: no models to merge: give at least one MODEL``."""
+    config = tmp_path / "merge.yml"
+    config.write_text(
+        f"merge_method: ties\nbase_model: {family['base']}\n"
+        f"models:\n  - model: {family['base']}\n    parameters: {{weight: 1}}\n"
+    )
+    code, _, err = run_main(capsys, "merge", "--config", config, "-o", tmp_path / "out")
+    assert code == 2
+    assert_one_line_error(
+        err, f"error: {config}: the only model listed is base_model ({family['base']})"
+    )
+
+
+def test_a_yaml_without_base_model_is_told_to_add_one(family, tmp_path, capsys):
+    """Before: the command-line advice ``run: mloco merge M1 M2 --base BASE ...``, which cannot
+    be given beside --config. Now: add ``base_model:`` to the file."""
+    config = write_config(tmp_path, family, "ta", [("ft1", None), ("ft2", None)], base=False)
+    code, _, err = run_main(capsys, "merge", "--config", config, "-o", tmp_path / "out")
+    assert code == 2
+    assert_one_line_error(
+        err, f"error: {config}: merge_method ta", f"add 'base_model: BASE' to {config}"
+    )
+    assert "--base" not in err and "mloco merge" not in err

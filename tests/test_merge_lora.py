@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -220,6 +221,14 @@ def test_unsupported_adapter_options_are_named(adapters, tmp_path, capsys, confi
         ({"rank_pattern": {"q_proj": 0}}, ["rank_pattern['q_proj'] must be a positive integer"]),
         ({"rank_pattern": [1, 2]}, ["'rank_pattern' must be an object of module names"]),
         ({"alpha_pattern": {"q_proj": "big"}}, ["alpha_pattern['q_proj'] must be a positive"]),
+        (
+            {"alpha_pattern": {"q_proj(": 8}},
+            ['adapter_config.json: alpha_pattern key "q_proj(" is not a regular expression'],
+        ),
+        (
+            {"rank_pattern": {"q" * 1001: 2}},
+            ["adapter_config.json: rank_pattern key", "has 1001 characters, more than 1000"],
+        ),
         ({"use_rslora": "yes"}, ["'use_rslora' must be true or false"]),
     ],
 )
@@ -495,15 +504,17 @@ def test_lora_output_writes_the_dtype_asked(adapters, tmp_path, capsys, dtype):
     ("extra", "out", "fragments"),
     [
         ([], "adapter.safetensors", ["-o", "adapter.safetensors", "writes an adapter folder"]),
+        ([], ".safetensors", ["'.safetensors' alone names no output (it would be a hidden"]),
         (["--shard-size", "1GB"], "adapter", ["--shard-size cannot be given with --lora-output"]),
         (["--shard-size", "5GB"], "adapter", ["--shard-size cannot be given with --lora-output"]),
         (["--device", "cpu"], "adapter", ["--device cannot be given with --lora-output"]),
     ],
-    ids=["file", "shard_size", "default_shard_size", "device"],
+    ids=["file", "dot-file", "shard_size", "default_shard_size", "device"],
 )
 def test_lora_output_refuses_options_it_cannot_honour(tmp_path, capsys, extra, out, fragments):
-    """Before, ``-o lo.safetensors`` made a folder named lo.safetensors, and --shard-size and
-    --device were silently ignored: each is refused by name, nothing written."""
+    """Before, ``-o lo.safetensors`` made a folder named lo.safetensors, ``-o .safetensors`` a
+    hidden folder, and --shard-size and --device were silently ignored: each is refused by
+    name, nothing written."""
     folder = write_factors(tmp_path / "ok", FACTORS)
     args = [folder, "-m", "ta", "--lora-output", *extra]
     assert_refused(capsys, tmp_path / out, args, *fragments)
@@ -519,3 +530,175 @@ def test_lora_output_default_is_a_folder(tiny_base, tmp_path, capsys, monkeypatc
     assert code in (0, None), err
     assert "writing merged-ta (no -o given)" in out
     assert (tmp_path / "merged-ta" / "adapter_config.json").is_file()
+
+
+# PEFT's rule for rank_pattern / alpha_pattern keys, weights of a mean, float64 adapters.
+
+
+def test_rank_and_alpha_patterns_match_as_peft_matches_them(adapters, tmp_path, capsys):
+    """PEFT takes a module's r and lora_alpha from the first key ``k`` (in the file's order) with
+    ``re.match(rf"(.*\\.)?({k})$", module)``: a regular expression for the whole name or a dotted
+    suffix of it. Before, keys were compared literally, so the regex rank_pattern below was
+    ignored (rank 3, refused against factors of rank 2) and the regex alpha_pattern keys too."""
+    base, _ = adapters
+    folder = write_adapter(
+        tmp_path / "patterned", load_state_dict(base), rank=2, alpha=4, seed=7, r=3,
+        rank_pattern={r"layers\.\d\.(self_attn|mlp)\.[a-z_]+": 2},
+        alpha_pattern={r"model\.layers\.1\..*": 8, r".*v_proj": 32, "down_proj": 1},
+    )  # fmt: skip
+    alphas = {  # by hand: the first key that applies, else lora_alpha 4
+        "model.layers.0.self_attn.q_proj": 4,
+        "model.layers.0.self_attn.v_proj": 32,
+        "model.layers.0.mlp.down_proj": 1,
+        **{f"model.layers.1.{target}": 8 for target in TARGETS},
+    }
+    merged = merged_state(capsys, folder, "--base", base, "--method", "ta", "--compute-dtype",
+                          "float64", tmp_path / "out.safetensors")  # fmt: skip
+    factors = {
+        n: t.double() for n, t in load_state_dict(folder / "adapter_model.safetensors").items()
+    }
+    for module, alpha in alphas.items():
+        key = f"base_model.model.{module}"
+        delta = alpha / 2 * factors[f"{key}.lora_B.weight"] @ factors[f"{key}.lora_A.weight"]
+        theta = load_state_dict(base)[f"{module}.weight"].double()
+        np.testing.assert_allclose(
+            merged[f"{module}.weight"], (theta + delta).numpy(), rtol=2**-23, atol=1e-9
+        )
+
+
+def peft_rank(config: dict, module: str) -> int:
+    """PEFT's rank of ``module``: the first rank_pattern key matching as PEFT matches it."""
+    for key, rank in config["rank_pattern"].items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return rank
+    return config["r"]
+
+
+def test_lora_output_rank_pattern_gives_each_module_its_rank(tmp_path, capsys):
+    """The merged adapter's rank_pattern must give each module its rank under PEFT's rule: the
+    key ``a`` (rank 4) also applies to module ``b.a`` (rank 2, the default), so ``b.a`` is
+    listed too, before ``a``."""
+    base = write_state_dict({name: torch.zeros(4, 3) for name in ("a.weight", "b.a.weight",
+                             "c.weight")}, tmp_path / "base.safetensors")  # fmt: skip
+    generator = torch.Generator().manual_seed(3)
+
+    def factors(*modules):
+        return {
+            f"base_model.model.{module}.lora_{factor}.weight": torch.randn(
+                shape, generator=generator
+            )
+            for module in modules
+            for factor, shape in (("A", (2, 3)), ("B", (4, 2)))
+        }
+
+    first = write_factors(tmp_path / "first", factors("a", "b.a", "c"))
+    second = write_factors(tmp_path / "second", factors("a"))
+    out = tmp_path / "merged-adapter"
+    code, _, err = run_main(capsys, "merge", first, second, "-m", "ta", "--lora-output",
+                            "--compute-dtype", "float64", "-o", out)  # fmt: skip
+    assert code in (0, None), err
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["r"] == 2 and list(config["rank_pattern"].items()) == [("b.a", 2), ("a", 4)]
+    written = load_state_dict(out / "adapter_model.safetensors")
+    for module in ("a", "b.a", "c"):
+        rank = written[f"base_model.model.{module}.lora_A.weight"].shape[0]
+        assert peft_rank(config, module) == rank
+    merged = merged_state(capsys, out, "--base", base, "-m", "ta", "--compute-dtype", "float64",
+                          tmp_path / "back.safetensors")  # fmt: skip
+    inputs = [load_state_dict(folder / "adapter_model.safetensors") for folder in (first, second)]
+    for module in ("a", "b.a", "c"):
+        key = f"base_model.model.{module}"
+        expected = sum(
+            2.0 * state[f"{key}.lora_B.weight"].double() @ state[f"{key}.lora_A.weight"].double()
+            for state in inputs
+            if f"{key}.lora_A.weight" in state
+        )
+        np.testing.assert_allclose(merged[f"{module}.weight"], expected.numpy(), rtol=2**-23,
+                                   atol=1e-6)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("weights", "fragment"),
+    [("1,-1", "mean: weights sum to 0"), ("1e308,1e308", "mean: weights (1e+308, 1e+308) sum")],
+    ids=["zero", "overflow"],
+)
+def test_mean_weights_summing_to_zero_or_overflowing_are_refused_alike(
+    adapters, tmp_path, capsys, weights, fragment
+):
+    """Before, adapters gave a ZeroDivisionError traceback (from the factors, and with
+    --lora-output) and 1e308 weights ``error: intermediate overflow in fsum`` naming nothing.
+    Adapters and full models now get one message, before anything is written."""
+    base, folders = adapters
+    state = load_state_dict(base)
+    full = [
+        write_state_dict({n: t + step for n, t in state.items()}, tmp_path / f"ft{i}.safetensors")
+        for i, step in enumerate((0.1, -0.1))
+    ]
+    lines = []
+    for models, extra in ((full, []), (folders[:2], []), (folders[:2], ["--lora-output"])):
+        out = tmp_path / "out"
+        code, _, err = run_main(capsys, "merge", *models, "--base", base, "-m", "mean",
+                                "--option", f"weights={weights}", *extra, "-o", out)  # fmt: skip
+        assert code == 2
+        assert_one_line_error(err, fragment)
+        assert not out.exists() and not temp_leftovers(tmp_path)
+        lines.append(err)
+    assert lines[0] == lines[1] == lines[2]
+
+
+def test_a_weighted_mean_of_adapters_is_the_weighted_mean(adapters, tmp_path, capsys, monkeypatch):
+    """``mean`` with weights 3, -1: ``(3 tau_1 - tau_2) / 2``, from the factors and as an
+    adapter."""
+    base, folders = adapters
+    no_dense_deltas(monkeypatch)
+    merged = merged_state(capsys, *folders[:2], "--base", base, "-m", "mean", "--option",
+                          "weights=3,-1", "--compute-dtype", "float64",
+                          tmp_path / "out.safetensors")  # fmt: skip
+    out = tmp_path / "adapter"
+    code, _, err = run_main(capsys, "merge", *folders[:2], "-m", "mean", "--option",
+                            "weights=3,-1", "--lora-output", "-o", out)  # fmt: skip
+    assert code in (0, None), err
+    base_state, deltas = float64_inputs(base, folders[:2])
+    written = dense_deltas(out, base_state)
+    for name, theta in base_state.items():
+        expected = (3 * deltas[0][name] - deltas[1][name]) / 2
+        np.testing.assert_allclose(merged[name], theta + expected, rtol=2**-23, atol=1e-9)
+        np.testing.assert_allclose(written[name], expected, rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("method", ["ta", "mean", "ties"])
+def test_float64_adapters_on_a_float64_base_are_not_rounded_through_float32(
+    tmp_path, capsys, method
+):
+    """A float64 tensor of the base is merged in float64 (docs/merging.md); before, an adapter's
+    factors were read in the default compute dtype, float32, first (errors near 1e-8)."""
+    generator = torch.Generator().manual_seed(11)
+    base_state = {f"m{i}.weight": torch.randn(6, 5, generator=generator, dtype=torch.float64)
+                  for i in range(2)}  # fmt: skip
+    base = write_state_dict(base_state, tmp_path / "base.safetensors")
+    folders = []
+    for index in range(2):
+        tensors = {}
+        for name in base_state:
+            key = f"base_model.model.{name.removesuffix('.weight')}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(
+                2, 5, generator=generator, dtype=torch.float64
+            )
+            tensors[f"{key}.lora_B.weight"] = torch.randn(
+                6, 2, generator=generator, dtype=torch.float64
+            )
+        folders.append(
+            write_factors(tmp_path / f"a{index}", tensors, lora_alpha=3, use_rslora=False)
+        )
+    options = ["--density", "0.5"] if method == "ties" else []
+    merged = merged_state(capsys, *folders, "--base", base, "-m", method, *options,
+                          tmp_path / "out.safetensors")  # fmt: skip
+    base_np, deltas = float64_inputs(base, folders)
+    for name, theta in base_np.items():
+        taus = [delta[name] for delta in deltas]
+        if method == "ties":
+            expected = reference_ties(taus, 0.5)
+        else:
+            expected = sum(taus) / (2 if method == "mean" else 1)
+        assert merged[name].dtype == np.float64
+        np.testing.assert_allclose(merged[name], theta + expected, rtol=0, atol=1e-13)

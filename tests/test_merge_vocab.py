@@ -7,7 +7,13 @@ import json
 
 import pytest
 import torch
-from checkpoint_factory import finetune_of, load_state_dict, save_model, tiny_llama
+from checkpoint_factory import (
+    finetune_of,
+    load_state_dict,
+    save_model,
+    tiny_llama,
+    write_state_dict,
+)
 from test_cli_merge import assert_one_line_error, run_main
 
 BASE_VOCAB = 64
@@ -134,22 +140,36 @@ def test_a_model_with_fewer_rows_than_the_base_is_an_error(family, tmp_path, cap
     assert_one_line_error(err, str(family["plain"]), "[64, 16]", "[66, 16]", "appended")
 
 
-def test_mean_without_a_base_does_not_depend_on_the_order_of_the_models(family, tmp_path, capsys):
-    """Without --base a model stands in for it; before, the first one did, so a first model
-    with added rows made the others "too short" and the merge failed. Expected, by hand: the
-    base's rows are the mean of all three models, the added rows the mean of the two that
-    have them."""
-    merged = []
-    for order in (("added2", "plain", "other2"), ("plain", "added2", "other2")):
-        out = tmp_path / f"{order[0]}.safetensors"
+def test_models_of_different_vocabularies_without_a_base_are_refused(family, tmp_path, capsys):
+    """Without --base the smallest model used to stand in for it, so a larger one's extra rows
+    counted as appended: ``added2`` (66 rows) and ``added3`` (67) merged, 66 rows averaged,
+    although each appended its own tokens (with the base: refused, different numbers). Which
+    rows a model appended is known only against the base: refused in both orders, naming the
+    two files, the tensor and the row counts."""
+    for order in (("added2", "added3"), ("plain", "added2"), ("added2", "plain")):
+        out = tmp_path / "out.safetensors"
         code, _, err = run_main(capsys, "merge", *(family[m] for m in order), "--method",
-                                "mean", "-o", out, "--quiet")  # fmt: skip
-        assert code == 0, err
-        merged.append(float64(out))
-    models = [float64(family[name]) for name in ("added2", "plain", "other2")]
-    for name in ROW_TENSORS:
-        shared = sum(model[name][:BASE_VOCAB] for model in models) / 3
-        added = (models[0][name][BASE_VOCAB:] + models[2][name][BASE_VOCAB:]) / 2
-        for result in merged:
-            torch.testing.assert_close(result[name][:BASE_VOCAB], shared, rtol=0, atol=1e-6)
-            torch.testing.assert_close(result[name][BASE_VOCAB:], added, rtol=0, atol=1e-6)
+                                "mean", "-o", out)  # fmt: skip
+        assert code == 2
+        rows = {"plain": 64, "added2": 66, "added3": 67}
+        first, second = order
+        assert_one_line_error(
+            err,
+            f"{family[second] / 'model.safetensors'}: tensor 'lm_head.weight' has "
+            f"{rows[second]} rows but {family[first] / 'model.safetensors'} has {rows[first]}",
+            "give --base",
+        )
+        assert not out.exists()
+
+
+def test_the_model_with_the_bad_shape_is_named_not_one_that_added_rows(family, tmp_path, capsys):
+    """Before, the first model whose shape differed from the base's was blamed: ``added2``,
+    whose appended rows are fine, rather than the model whose shape no rule allows."""
+    state = {n: t.clone() for n, t in load_state_dict(family["plain"]).items()}
+    state["lm_head.weight"] = state["lm_head.weight"][:, :-1]
+    broken = write_state_dict(state, tmp_path / "broken.safetensors")
+    code, _, err = run_main(capsys, "merge", family["added2"], broken, "--base", family["base"],
+                            "-m", "ta", "-o", tmp_path / "out")  # fmt: skip
+    assert code == 2
+    assert_one_line_error(err, f"{broken}: tensor 'lm_head.weight' has shape [64, 15]", "[64, 16]")
+    assert str(family["added2"]) not in err

@@ -79,8 +79,11 @@ class Command(TyperCommand):
 
 
 def command_line(ctx: typer.Context, *extra: str) -> str:
-    """The command as the user typed it (``mloco merge a b --method ta``), plus ``extra``."""
-    return shlex.join([*ctx.command_path.split(), *ctx.meta.get(ARGS_KEY, []), *extra])
+    """The command as the user typed it (``mloco merge a b --method ta``), plus ``extra`` options:
+    at the end, or before a ``--`` (after which they would be read as arguments)."""
+    args = list(ctx.meta.get(ARGS_KEY, []))
+    end = args.index("--") if "--" in args else len(args)
+    return shlex.join([*ctx.command_path.split(), *args[:end], *extra, *args[end:]])
 
 
 @dataclass(frozen=True)

@@ -82,10 +82,14 @@ def check_lora_options(ctx: typer.Context) -> None:
             raise ValueError(f"{flag} cannot be given with --lora-output: {reason}")
 
 
+def needs_base(method: str) -> bool:
+    """Whether ``method`` (a registered name) merges task vectors, which need a base."""
+    return any(info.name == method and info.needs_base for info in method_catalog())
+
+
 def missing_base(ctx: typer.Context, method: str) -> str | None:
     """The message for a method that needs ``--base`` run without one: the corrected command."""
-    info = next((info for info in method_catalog() if info.name == method), None)
-    if info is None or not info.needs_base:
+    if not needs_base(method):
         return None
     return (
         f"--method {method} merges task vectors (model - base), so it needs --base: the "
@@ -134,6 +138,12 @@ def from_config(config: Path, models, base, method, options: dict, lora_output: 
     if clashes:
         raise ValueError(f"--config {config}: {clashes[0]} cannot be given with a config file")
     configured = load_merge_config(config)
+    if configured.base is None and needs_base(configured.method) and not lora_output:
+        raise ValueError(
+            f"{config}: merge_method {configured.method} merges task vectors (model - base), so "
+            f"it needs a base: add 'base_model: BASE' to {config}, BASE the pre-trained "
+            "checkpoint the models were fine-tuned from (only mean and linear need none)"
+        )
     if configured.base is None and configured.scale != 1 and not lora_output:
         raise ValueError(
             f"{config}: lambda {configured.scale:g} needs base_model: without a base there is no "

@@ -215,6 +215,19 @@ def overlapping_input(target: Path, inputs: Iterable[str | Path | None]) -> Path
     return None
 
 
+def is_file_output(out: Path) -> bool:
+    """Whether the checkpoint output ``out`` is one ``.safetensors`` file (a name ending in
+    ``.safetensors``) rather than a folder. The name ``.safetensors`` alone is refused
+    (:class:`OutputRefused`): it looks like a file but has no suffix, so it would make a hidden
+    folder."""
+    if out.name == ".safetensors":
+        raise OutputRefused(
+            f"{shown(out)}: '.safetensors' alone names no output (it would be a hidden folder); "
+            "give a name: NAME.safetensors for one file, or a folder name"
+        )
+    return out.suffix == ".safetensors"
+
+
 def check_output(
     target: Path, force: bool, inputs: Iterable[str | Path | None] = (), kind: str = "output"
 ) -> None:

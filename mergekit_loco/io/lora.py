@@ -3,7 +3,9 @@
 An adapter folder holds ``adapter_config.json`` and ``adapter_model.safetensors`` with, per
 adapted linear layer ``M``, ``base_model.model.M.lora_A.weight`` (r x in) and
 ``base_model.model.M.lora_B.weight`` (out x r); it adapts the base tensor ``M.weight``.
-``scaling = lora_alpha / r`` (``lora_alpha / sqrt(r)`` with ``use_rslora``). Options that are not
+``scaling = lora_alpha / r`` (``lora_alpha / sqrt(r)`` with ``use_rslora``), ``r`` and
+``lora_alpha`` of a module taken from the first ``rank_pattern`` / ``alpha_pattern`` key that
+matches its name as PEFT matches it (:func:`pattern_matches`). Options that are not
 a plain low-rank delta of a weight (DoRA, trained biases, saved full modules, embedding LoRA,
 ``fan_in_fan_out``) are refused with the option named. So is an adapter whose factors are not
 finite floating-point matrices of matching rank, that names one factor twice, holds none, or
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -37,6 +40,39 @@ def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
+#: The longest ``rank_pattern`` / ``alpha_pattern`` key read (PEFT's own are module names).
+MAX_PATTERN_CHARS = 1000
+
+
+def pattern_matches(file: Path, option: str, key: str, module: str) -> bool:
+    r"""Whether ``rank_pattern`` / ``alpha_pattern`` key ``key`` applies to module ``module`` as
+    PEFT decides it: ``re.match(rf"(.*\.)?({key})$", module)``, the key a regular expression for
+    the module's whole name or a dotted suffix of it. A key longer than
+    :data:`MAX_PATTERN_CHARS` or that is no regular expression raises :class:`CheckpointError`
+    naming ``file`` and the key."""
+    where = f"{shown(file)}: {option} key {json.dumps(key)[:60]}"
+    if len(key) > MAX_PATTERN_CHARS:
+        raise CheckpointError(
+            f"{where} has {len(key)} characters, more than {MAX_PATTERN_CHARS} (each key is a "
+            "regular expression for module names)"
+        )
+    try:
+        return re.match(rf"(.*\.)?({key})$", module) is not None
+    except (re.error, RecursionError) as error:
+        raise CheckpointError(
+            f"{where} is not a regular expression as PEFT reads it ({getattr(error, 'msg', error)})"
+        ) from None
+
+
+def pattern_value(file: Path, option: str, pattern: dict, module: str, default: object) -> object:
+    """The value of the first key of ``pattern`` (in its order) that applies to ``module``
+    (:func:`pattern_matches`), else ``default``: PEFT's rule."""
+    for key, value in pattern.items():
+        if pattern_matches(file, option, key, module):
+            return value
+    return default
+
+
 def _check_settings(file: Path, config: dict) -> None:
     """Rank and alpha settings are what PEFT writes: ``r`` and every ``rank_pattern`` value a
     positive int, ``lora_alpha`` and every ``alpha_pattern`` value a positive finite number,
@@ -48,6 +84,8 @@ def _check_settings(file: Path, config: dict) -> None:
         if not isinstance(pattern, dict):
             raise CheckpointError(f"{shown(file)}: {option!r} must be an object of module names")
         into.update({f"{option}[{key!r}]": value for key, value in pattern.items()})
+        for key in pattern:
+            pattern_matches(file, option, key, "")  # a bad key is refused before any use
     for where, rank in ranks.items():
         if not isinstance(rank, int) or isinstance(rank, bool) or not 0 < rank < 2**31:
             raise CheckpointError(
@@ -150,17 +188,12 @@ class LoraAdapter:
         return {name: (found["lora_A"], found["lora_B"]) for name, found in pairs.items()}
 
     def _scaling(self, config: dict, module: str) -> float:
-        """``alpha / r`` (or ``alpha / sqrt(r)``), honouring rank_pattern/alpha_pattern keys
-        that match the module's name or end its path."""
-
-        def pattern_value(pattern: dict | None, default):
-            for key, value in (pattern or {}).items():
-                if module == key or module.endswith(f".{key}"):
-                    return value
-            return default
-
-        rank = pattern_value(config.get("rank_pattern"), config["r"])
-        alpha = pattern_value(config.get("alpha_pattern"), config.get("lora_alpha", 8))
+        """``alpha / r`` (or ``alpha / sqrt(r)``), ``r`` and ``alpha`` from the first
+        rank_pattern / alpha_pattern key that applies to ``module`` (:func:`pattern_value`)."""
+        file = self.path / ADAPTER_CONFIG
+        ranks, alphas = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
+        rank = pattern_value(file, "rank_pattern", ranks, module, config["r"])
+        alpha = pattern_value(file, "alpha_pattern", alphas, module, config.get("lora_alpha", 8))
         self._ranks[module] = rank
         return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 

@@ -23,6 +23,7 @@ from mergekit_loco.io.atomic import (
     CHECKPOINT_SIDE_FILES,
     OWNER_MARKER,
     check_output,
+    is_file_output,
     staged_output,
 )
 from mergekit_loco.io.files import UnsafeInputError, inside, open_regular, parse_json, shown
@@ -144,7 +145,7 @@ class CheckpointWriter:
         if max_shard_bytes <= 0:
             raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
         self.out_path = Path(out_path)
-        self.single_file = self.out_path.suffix == ".safetensors"
+        self.single_file = is_file_output(self.out_path)
         self.max_shard_bytes = max_shard_bytes
         self.force = force
         self.config_dir = Path(config_dir) if config_dir is not None else None

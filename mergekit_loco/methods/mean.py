@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -10,25 +11,53 @@ import torch
 from mergekit_loco.methods.base import MergeMethod, task_weights
 
 
+def weight_sum(method: str, weights: Sequence[float]) -> float:
+    """``W = sum_t w_t``, exactly rounded (``math.fsum``); a ``ValueError`` naming ``method``
+    where it lies beyond the float range (``1e308 + 1e308``)."""
+    try:
+        return math.fsum(weights)
+    except OverflowError:
+        raise ValueError(
+            f"{method}: weights {tuple(weights)} sum beyond the largest float; scale them down"
+        ) from None
+
+
 @dataclass(frozen=True)
 class Mean(MergeMethod):
     """``merged = (1/T) sum_t tau_t``. With scale 1 this is the uniform model soup.
 
     weights: ``w_t`` per task for the weighted mean ``sum_t w_t tau_t / sum_t w_t`` (mergekit's
-    ``linear``).
+    ``linear``); weights summing to 0, or beyond the float range, are refused before any compute
+    (:meth:`check_tasks`).
     """
 
     name = "mean"
     needs_base = False
     weights: tuple[float, ...] | None = None
 
+    def weight_total(self, tasks: int) -> float:
+        """``W = sum_t w_t`` over ``tasks`` tasks (``T`` unweighted); ``ValueError`` where it is
+        0 or beyond the float range."""
+        weights = task_weights(self.name, self.weights, tasks)
+        if weights is None:
+            return float(tasks)
+        total = weight_sum(self.name, weights)
+        if total == 0:
+            raise ValueError(f"{self.name}: weights sum to 0")
+        return total
+
+    def fractions(self, tasks: int) -> tuple[float, ...]:
+        """``w_t / W`` of each of ``tasks`` tasks (``1 / T`` unweighted)."""
+        total = self.weight_total(tasks)
+        weights = task_weights(self.name, self.weights, tasks) or (1.0,) * tasks
+        return tuple(weight / total for weight in weights)
+
+    def check_tasks(self, tasks: int) -> None:
+        super().check_tasks(tasks)
+        self.weight_total(tasks)
+
     def local_term(self, name: str, delta: torch.Tensor, worker_index: int) -> torch.Tensor:
         return self.weighted(delta, worker_index)
 
     def finish(self, name: str, total: torch.Tensor, workers: int) -> torch.Tensor:
-        weights = task_weights(self.name, self.weights, workers)
-        if weights is None:
-            return total.div_(workers)
-        if math.fsum(weights) == 0:
-            raise ValueError(f"{self.name}: weights sum to 0")
-        return total.div_(math.fsum(weights))
+        return total.div_(self.weight_total(workers))
