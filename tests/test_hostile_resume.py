@@ -171,3 +171,78 @@ def test_resume_refuses_data_that_changed_since_the_checkpoint(capsys, tmp_path,
     code, err, _ = run_cli(capsys, "train", f"--out={run}", "--resume")
     assert code in (0, None), err
     assert (run / "final" / "model.safetensors").is_file()
+
+
+def windows_read(monkeypatch) -> list[torch.Tensor]:
+    """Record every ``[batch, seq_len]`` window a worker's stream hands out, row by row."""
+    from mergekit_loco.train.data import BatchStream
+
+    read: list[torch.Tensor] = []
+    real = BatchStream.next_batch
+
+    def recording(self, batch_size):
+        batch = real(self, batch_size)
+        read.extend(batch.clone())
+        return batch
+
+    monkeypatch.setattr(BatchStream, "next_batch", recording)
+    return read
+
+
+def test_extending_the_budget_trains_each_token_once(capsys, tmp_path, corpus, monkeypatch):
+    """512 tokens stopped after round 1, extended to 1,024 and stopped after round 3, extended
+    to 1,536: the windows the workers read, over the three invocations, are each window of the
+    1,536-token training stream exactly once (counted against the stream itself, not the
+    slicing code)."""
+    from mergekit_loco.train.config import resolve_config
+    from mergekit_loco.train.run import find_tokenizer, load_data
+
+    run = tmp_path / "run"
+    read = windows_read(monkeypatch)
+    steps = [["--stop-after=1"], ["--resume", "--tokens=1024", "--allow-config-change",
+             "--stop-after=3"], ["--resume", "--tokens=1536", "--allow-config-change"]]  # fmt: skip
+    for extra in steps:
+        code, err, _ = run_cli(capsys, "train", *TRAIN, f"--data={corpus}", f"--out={run}", *extra)
+        assert code in (0, None), err
+    state = json.loads((run / "checkpoints" / "round-000006" / "state.json").read_text())
+    assert state["data_bounds"] == [512, 1024, 1536]
+    flags = dict(model="micro", workers=2, inner_steps=2, global_batch=4, seq_len=32,
+                 vocab_size=300, val_tokens=256, data=corpus, out=str(run))  # fmt: skip
+    config = resolve_config(None, tokens=1536, **flags)
+    stream = load_data(config, find_tokenizer(config), config.total_rounds()).train
+    windows = [tuple(w.tolist()) for w in stream.reshape(-1, 32)]
+    assert len(read) == len(windows) == 48
+    assert sorted(tuple(w.tolist()) for w in read) == sorted(windows)  # a multiset: once each
+
+
+@pytest.mark.parametrize(("change", "fragment"), [
+    ("--workers=1", "--workers 2 -> 1"),
+    ("--workers=4", "--workers 2 -> 4"),
+    ("--preset=dp", "--mode diloco -> dp"),
+    ("--global-batch=8", "--global-batch 4 -> 8"),
+    ("--seq-len=16", "--seq-len 32 -> 16"),
+    ("--inner-steps=1", "--inner-steps 2 -> 1"),
+])  # fmt: skip
+def test_resume_refuses_another_mode_workers_or_round_size(capsys, tmp_path, corpus, stopped,
+                                                           change, fragment):  # fmt: skip
+    """Mode, workers and round size cannot change on resume, even with --allow-config-change:
+    refused naming what the checkpoint holds, not as a damaged checkpoint, before any file but
+    state.json is read."""
+    run = tmp_path / "run"
+    shutil.copytree(stopped, run)
+    before = snapshot(tmp_path)
+    code, err, opened = run_cli(capsys, "train", *TRAIN, f"--data={corpus}", f"--out={run}",
+                                "--resume", "--allow-config-change", change)  # fmt: skip
+    assert_refused(code, err, "holds a DiLoCo run of 2 workers", "cannot change on resume",
+                   fragment)  # fmt: skip
+    assert "--force" not in err and "damaged" not in err
+    assert not [p for p in opened if p.endswith((".pt", ".safetensors"))]
+    assert snapshot(tmp_path) == before
+
+
+def test_resume_refuses_a_smaller_budget(capsys, tmp_path, corpus, stopped):
+    run = tmp_path / "run"
+    shutil.copytree(stopped, run)
+    code, err, _ = run_cli(capsys, "train", *TRAIN, f"--data={corpus}", f"--out={run}",
+                           "--resume", "--allow-config-change", "--tokens=256")  # fmt: skip
+    assert_refused(code, err, "budget is 512 training tokens", "gives 256", "--stop-after")

@@ -402,7 +402,7 @@ def test_a_dp_run_started_with_a_diloco_preset_resumes_with_its_own_flags(corpus
 
 def test_resume_refuses_another_config(corpus, tmp_path, reference_run):
     changed = tiny_config(corpus, reference_run.out, preset="isoloco", workers=2, resume=True)
-    with pytest.raises(ValueError, match=r"workers: 4 -> 2.*--allow-config-change"):
+    with pytest.raises(ValueError, match=r"4 workers.*cannot change on resume.*--workers 4 -> 2"):
         train(changed, progress=False)
 
 

@@ -124,6 +124,9 @@ class Checkpoint:
     seconds: float = 0.0
     #: the number of processes that wrote it
     world_size: int = 1
+    #: training-token bounds of the budget's segments when the budget grew on resume
+    #: (:func:`~mergekit_loco.train.data.worker_slice`); [] for a run never extended
+    data_bounds: list[int] = field(default_factory=list)
 
 
 def rng_state() -> dict:
@@ -185,6 +188,8 @@ def save_checkpoint(out: str | Path, state: Checkpoint, group: WorkerGroup, keep
             if state.data:
                 meta["data"] = state.data
             meta["seconds"] = state.seconds
+            if len(state.data_bounds) > 1:
+                meta["data_bounds"] = list(state.data_bounds)
             (staging / STATE).write_text(json.dumps(meta, indent=2))
             for name in (GLOBAL_PARAMS, SHARED, STATE):
                 if (staging / name).is_file():
@@ -350,6 +355,19 @@ def is_seconds(value: object) -> bool:
         return False
 
 
+def is_bounds(value: object) -> bool:
+    """A list of at least one positive integer, each larger than the one before."""
+    if not (isinstance(value, list) and value and all(type(v) is int for v in value)):
+        return False
+    return value[0] > 0 and all(a < b for a, b in zip(value, value[1:], strict=False))
+
+
+def data_bounds(state: dict, saved_tokens: int) -> list[int]:
+    """The training-token bounds a checkpoint's ``state.json`` records; ``[saved_tokens]`` (the
+    budget of its config) when the run was never extended."""
+    return list(state.get("data_bounds") or [saved_tokens])
+
+
 def read_state(path: Path) -> dict:
     """``state.json`` (round, world size, config) after checking its hash and its content."""
     verify(path, [STATE])
@@ -373,6 +391,8 @@ def read_state(path: Path) -> dict:
         problem = 'has a "data" that is not a sha256'
     elif "seconds" in state and not is_seconds(state["seconds"]):
         problem = 'has a "seconds" that is not a number of seconds'
+    elif "data_bounds" in state and not is_bounds(state["data_bounds"]):
+        problem = 'has a "data_bounds" that is not a rising list of token counts'
     if problem:
         raise CheckpointCorrupt(f"checkpoint file {shown(file)} {problem}")
     return state
@@ -446,4 +466,5 @@ def load_checkpoint(path: Path, worker_ids: Iterable[int], rank: int) -> Checkpo
         data=state.get("data", ""),
         seconds=float(state.get("seconds", 0.0)),
         world_size=state["world_size"],
+        data_bounds=list(state.get("data_bounds", [])),
     )

@@ -294,6 +294,21 @@ def worker_shard(tokens: torch.Tensor, worker: int, workers: int) -> torch.Tenso
     return tokens[worker * size : (worker + 1) * size]
 
 
+def worker_slice(
+    tokens: torch.Tensor, worker: int, workers: int, bounds: list[int] | None = None
+) -> torch.Tensor:
+    """Worker ``r``'s tokens in a run whose budget grew on resume: its :func:`worker_shard` of
+    each segment ``tokens[b_{k-1} : b_k]`` of ``bounds`` (``b_0 = 0``), concatenated. An
+    extension appends a segment, so every token a worker was given keeps its place (its saved
+    position stays valid) and the new tokens follow. One bound (or None): ``worker_shard``."""
+    if bounds is None or len(bounds) <= 1:
+        return worker_shard(tokens, worker, workers)
+    starts = [0, *bounds[:-1]]
+    return torch.cat(
+        [worker_shard(tokens[a:b], worker, workers) for a, b in zip(starts, bounds, strict=True)]
+    )
+
+
 class BatchStream:
     """Consecutive, non-overlapping ``[batch, seq_len]`` windows of a shard, from ``position``.
 

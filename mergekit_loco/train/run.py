@@ -24,7 +24,9 @@ from mergekit_loco.train.checkpoint import (
     STATE,
     Checkpoint,
     CheckpointCorrupt,
+    data_bounds,
     load_checkpoint,
+    read_state,
     reading,
     restore_rng_state,
     rng_file,
@@ -38,7 +40,7 @@ from mergekit_loco.train.data import (
     NotEnoughData,
     PreparedData,
     prepare_data,
-    worker_shard,
+    worker_slice,
 )
 from mergekit_loco.train.diloco import DiLoCo, check_compression_has_ranks
 from mergekit_loco.train.guards import check_data_left
@@ -95,6 +97,8 @@ class Run:
     seconds_before: float = 0.0
     #: processes that wrote the checkpoint this run resumed from (None: not resumed)
     resumed_world_size: int | None = None
+    #: training-token bounds of the budget's segments (:func:`budget_bounds`)
+    data_bounds: list[int] = field(default_factory=list)
 
     @property
     def wall_seconds(self) -> float:
@@ -135,6 +139,7 @@ class Run:
             rng=rng_state(),
             data=self.data.source,
             seconds=self.wall_seconds,
+            data_bounds=self.data_bounds,
         )
         path = save_checkpoint(self.out, state, self.group, self.config.checkpoint.keep)
         self.last_saved = (completed, path)
@@ -243,6 +248,7 @@ def start_run(
               file=sys.stderr)  # fmt: skip
     config.check_budget(count_parameters(model))
     rounds = config.total_rounds(count_parameters(model))
+    bounds = budget_bounds(config, resume_from, count_parameters(model), rounds)
     steps = rounds * config.inner.steps
     diloco = config.run.mode == "diloco"
     dp_optimizer = None if diloco else InnerOptimizer(model, config, steps)
@@ -251,13 +257,16 @@ def start_run(
     workers = [
         Worker(
             index,
-            BatchStream(worker_shard(data.train, index, config.run.workers), config.data.seq_len),
+            BatchStream(
+                worker_slice(data.train, index, config.run.workers, bounds), config.data.seq_len
+            ),
             InnerOptimizer(model, config, steps) if diloco else None,
         )
         for index in group.worker_ids
     ]
     driver = make_driver(config, model, [w.inner for w in workers]) if diloco else None
     run = Run(config, group, model, tokenizer, data, workers, driver, dp_optimizer, rounds)
+    run.data_bounds = bounds
     if started is not None:
         run.started = started
     if resume_from is not None:
@@ -270,6 +279,31 @@ def start_run(
     if group.is_main:
         write_atomically(out / CONFIG, json.dumps(config.to_dict(), indent=2) + "\n")
     return run
+
+
+def budget_bounds(
+    config: TrainConfig, checkpoint: Path | None, parameter_count: int, rounds: int
+) -> list[int]:
+    """The run's training-token bounds (:func:`~mergekit_loco.train.data.worker_slice`):
+    ``[rounds x tokens a round]``; on resume the checkpoint's, with the new budget appended when
+    it grew (the training stream of a larger budget starts with that of the smaller one). A
+    budget that shrank is refused: each worker's slice would move under its saved position."""
+    total = rounds * config.tokens_per_round()
+    if checkpoint is None:
+        return [total]
+    with reading(checkpoint / STATE):
+        state = read_state(checkpoint)
+        saved = TrainConfig.from_dict(state["config"])
+        saved_total = saved.total_rounds(parameter_count) * saved.tokens_per_round()
+    bounds = data_bounds(state, saved_total)
+    if total < bounds[-1]:
+        raise ValueError(
+            f"{checkpoint}: the run's budget is {bounds[-1]:,} training tokens and this resume "
+            f"gives {total:,}; a budget may grow on resume, not shrink (each worker's data "
+            "slice would move under its saved position): to stop earlier, resume with the "
+            "run's budget and --stop-after ROUNDS"
+        )
+    return bounds if total == bounds[-1] else [*bounds, total]
 
 
 #: Options that may differ between processes: where each writes or reads its files (the

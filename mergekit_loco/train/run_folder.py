@@ -83,7 +83,10 @@ def resume_point(out: Path, config: TrainConfig) -> Path:
             f"nothing to resume: {out / CHECKPOINTS} holds no checkpoint; {start_over_advice(out)}"
         )
     with reading(checkpoint / STATE):  # a damaged config in state.json names the file
-        changes = config.differences(read_state(checkpoint)["config"])
+        saved = read_state(checkpoint)["config"]
+        changes = config.differences(saved)
+        saved = TrainConfig.from_dict(saved)
+    check_fixed_on_resume(checkpoint, saved, config)
     if changes and not config.checkpoint.allow_config_change:
         missing = ""
         if not (out / CONFIG).exists():
@@ -96,6 +99,32 @@ def resume_point(out: Path, config: TrainConfig) -> Path:
             "pass the same options, or --allow-config-change to resume anyway"
         )
     return checkpoint
+
+
+#: Options a resume cannot change, even with --allow-config-change: the mode and the workers
+#: (a checkpoint holds the state of each worker, and a DiLoCo one an outer optimizer), and the
+#: round size (rounds and token counts are counted in rounds of the run's size).
+FIXED_ON_RESUME = ("mode", "workers", "global_batch", "seq_len", "inner_steps")
+
+
+def check_fixed_on_resume(checkpoint: Path, saved: TrainConfig, config: TrainConfig) -> None:
+    """Refuse, before any checkpoint file but state.json is read, a resume that changes an
+    option of :data:`FIXED_ON_RESUME`: ValueError saying what the checkpoint holds."""
+    theirs, mine = saved.to_dict(), config.to_dict()
+    changed = [name for name in FIXED_ON_RESUME if theirs[name] != mine[name]]
+    if not changed:
+        return
+    kind = "DiLoCo" if saved.run.mode == "diloco" else "data-parallel"
+    flags = ", ".join(
+        f"--{name.replace('_', '-')} {theirs[name]} -> {mine[name]}" for name in changed
+    )
+    raise ValueError(
+        f"{checkpoint} holds a {kind} run of {saved.run.workers} workers, rounds of "
+        f"{saved.inner.steps} inner steps x global batch {saved.data.global_batch} x seq len "
+        f"{saved.data.seq_len} = {saved.tokens_per_round():,} tokens; mode, workers and round "
+        f"size cannot change on resume, even with --allow-config-change ({flags}): resume with "
+        "the run's values, or start a new run in another --out"
+    )
 
 
 def check_new_out(out: Path) -> None:
