@@ -246,3 +246,23 @@ def test_resume_refuses_a_smaller_budget(capsys, tmp_path, corpus, stopped):
     code, err, _ = run_cli(capsys, "train", *TRAIN, f"--data={corpus}", f"--out={run}",
                            "--resume", "--allow-config-change", "--tokens=256")  # fmt: skip
     assert_refused(code, err, "budget is 512 training tokens", "gives 256", "--stop-after")
+
+
+@pytest.mark.parametrize("stop_after", [1, 0])
+def test_resume_with_a_stop_after_already_reached_trains_nothing(capsys, tmp_path, corpus,
+                                                                 stopped, stop_after):  # fmt: skip
+    """A preemptible job passing the same ``--stop-after 1`` to a resume of a run stopped at
+    round 1 stops at once with a note (before: it trained to the end)."""
+    run = tmp_path / "run"
+    shutil.copytree(stopped, run)
+    metrics = (run / "metrics.jsonl").read_bytes()
+    code, err, _ = run_cli(capsys, "train", *TRAIN, f"--data={corpus}", f"--out={run}",
+                           "--resume", f"--stop-after={stop_after}")  # fmt: skip
+    if stop_after == 0:  # not a round count: refused by the option's bounds
+        assert code == 2
+        return
+    assert code in (0, None), err
+    assert "note: --stop-after 1: the checkpoint is already at round 1 of 2; nothing trained" in err
+    assert (run / "metrics.jsonl").read_bytes() == metrics
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "round-000001"]
+    assert not (run / "final").exists()

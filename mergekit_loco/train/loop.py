@@ -69,12 +69,15 @@ def train(config: TrainConfig, progress: bool = True) -> TrainResult:
         if group.is_main:
             note_resume(run, show)
             note_other_world_size(run)
+        last_round = run.rounds
+        if stopping_at_once(run):
+            last_round = run.start_round  # nothing to train: finish() returns unfinished
         steps_per_round = config.inner.steps * (len(run.workers) if run.driver else 1)
         display = ProgressDisplay(show and group.is_main, run.rounds, steps_per_round,
                                   run.start_round)  # fmt: skip
         driving = run.driver or contextlib.nullcontext()
         with interrupted_at_once(run), display, driving, naming_the_last_checkpoint(run):
-            for round_index in range(run.start_round, run.rounds):
+            for round_index in range(run.start_round, last_round):
                 run.round_number = round_index + 1
                 if stop.requested:  # between rounds: the state is that of a completed round
                     run.save_unless_saved(round_index)
@@ -89,7 +92,7 @@ def train(config: TrainConfig, progress: bool = True) -> TrainResult:
                                    run.round_number)  # fmt: skip
                 run.completed = run.round_number
                 log_round(run, train_loss, round_seconds)
-                if config.run.stop_after == run.completed:
+                if config.run.stop_after is not None and run.completed >= config.run.stop_after:
                     break
         with interrupted_at_once(run):
             return finish(run, summary=show and group.is_main)
@@ -113,6 +116,20 @@ def note_resume(run: Run, show: bool) -> None:
               "train; its final model is evaluated and saved again")  # fmt: skip
     else:
         print(f"resuming after round {saved_round} of {run.rounds} ({path})")
+
+
+def stopping_at_once(run: Run) -> bool:
+    """Whether ``--stop-after N`` stops a resumed run before its first round: its checkpoint is
+    already at round N or past it (a preemptible job passing the same N again must not run to
+    the end). Says so on stderr (main process)."""
+    stop_after = run.config.run.stop_after
+    if stop_after is None or run.start_round < stop_after or run.start_round >= run.rounds:
+        return False
+    if run.group.is_main:
+        print(f"note: --stop-after {stop_after}: the checkpoint is already at round "
+              f"{run.start_round} of {run.rounds}; nothing trained (resume without --stop-after, "
+              "or with a later round, to continue)", file=sys.stderr)  # fmt: skip
+    return True
 
 
 def note_other_world_size(run: Run) -> None:
