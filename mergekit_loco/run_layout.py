@@ -21,8 +21,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mergekit_loco.io.atomic import OutputRefused, claim_folder, remove_output, settled
-from mergekit_loco.io.files import shown
+from mergekit_loco.io.atomic import (
+    OutputRefused,
+    check_free_or_ours,
+    claim_folder,
+    marked_kind,
+    remove_output,
+    settled,
+)
+from mergekit_loco.io.files import read_json, shown
 
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
@@ -32,6 +39,8 @@ FINAL = "final"
 SWEEP_RUNS = "runs"
 #: The ``kind`` in a run folder's ownership marker.
 RUN_KIND = "training run"
+#: The ``kind`` in a run's ``final/`` model folder's ownership marker.
+FINAL_KIND = "final model"
 #: The ``kind`` in the marker of a sweep folder (``mloco compare -o``, and ``mloco report`` of
 #: it into itself) and of a merge comparison's folder (``mloco compare --mode merge -o``).
 SWEEP_KIND = "compare sweep"
@@ -67,17 +76,55 @@ def previous_run(out: Path) -> list[Path]:
 
 
 def check_resumable(out: Path) -> None:
-    """Refuse ``--resume`` into an ``--out`` that is no folder: there is nothing to resume."""
+    """Refuse ``--resume`` into an ``--out`` that is no folder, a model folder
+    (:func:`check_not_a_model`), or a folder without ``checkpoints/``: there is nothing to
+    resume. Reads no checkpoint and writes nothing (the lock is taken after)."""
     if not out.is_dir():
         what = "is not a folder" if out.exists() else "does not exist"
         raise ValueError(f"{out} {what}: nothing to resume (drop --resume to start a run)")
+    check_not_a_model(out)
+    if not ((out / CHECKPOINTS).exists() or (out / CHECKPOINTS).is_symlink()):
+        raise ValueError(
+            f"nothing to resume: {shown(out)} holds no checkpoint (no {CHECKPOINTS} folder); "
+            f"{start_over_advice(out)}"
+        )
+
+
+def check_not_a_model(out: Path) -> None:
+    """Refuse ``--resume --out`` a model folder (a run's ``final/``, or any Hugging Face folder:
+    a ``config.json`` naming ``architectures`` or a ``model_type``) before its config.json is
+    read as a run's; the message names the run folder when the parent is one."""
+    model = marked_kind(out) == FINAL_KIND
+    if not model and (out / CONFIG).is_file() and not (out / CONFIG).is_symlink():
+        try:
+            saved = read_json(out / CONFIG, "config")
+        except ValueError:  # UnsafeInputError too: not a readable model config
+            saved = None
+        model = isinstance(saved, dict) and ("architectures" in saved or "model_type" in saved)
+    if not model:
+        return
+    parent = settled(out).parent
+    where = (
+        f"the run is its parent: --resume --out {shown(parent)}"
+        if marked_kind(parent) == RUN_KIND or (parent / CHECKPOINTS).is_dir()
+        else "--resume continues a run folder (the --out of mloco train)"
+    )
+    raise ValueError(f"{shown(out)} is a model folder (config.json of a model), not a run; {where}")
 
 
 def start_over_advice(out: Path) -> str:
-    """How to start the run in ``out`` over: the same command, with ``--force`` once ``out``
-    holds what a run writes (:func:`previous_run`)."""
+    """How to start the run in ``out`` over, advice that works: the same command, with
+    ``--force`` once ``out`` holds what a run writes (:func:`previous_run`); another ``--out``
+    when ``out`` holds files a run may not write into."""
     if previous_run(out):
         return "run the same command with --force (and without --resume) to start over"
+    try:
+        check_free_or_ours(out, "--out", (RUN_KIND,))
+    except OutputRefused:
+        return (
+            f"{shown(out)} is not a run folder (it holds files mergekit_loco did not write): "
+            "start a run with another --out"
+        )
     return "run the same command without --resume to start over"
 
 

@@ -266,3 +266,43 @@ def test_resume_with_a_stop_after_already_reached_trains_nothing(capsys, tmp_pat
     assert (run / "metrics.jsonl").read_bytes() == metrics
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "round-000001"]
     assert not (run / "final").exists()
+
+
+def test_resume_into_a_folder_that_is_not_a_run_writes_nothing(capsys, tmp_path, corpus):
+    """``--resume --out F`` where F holds the user's files only: exit 2 with nothing written
+    (before: F/.mloco-lock was left) and advice that works (before: "run the same command
+    without --resume", which F's foreign files then refused)."""
+    folder = tmp_path / "f"
+    folder.mkdir()
+    (folder / "x.py").write_text("print('mine')\n")
+    code, err, _ = run_cli(capsys, "train", *TRAIN, f"--data={corpus}", f"--out={folder}",
+                           "--resume")  # fmt: skip
+    assert_refused(code, err, "nothing to resume", "is not a run folder", "another --out")
+    assert sorted(p.name for p in folder.iterdir()) == ["x.py"]
+    code, err, _ = run_cli(capsys, "train", *TRAIN, f"--data={corpus}", f"--out={tmp_path / 'e'}",
+                           "--resume")  # fmt: skip
+    assert_refused(code, err, "does not exist: nothing to resume")
+    (tmp_path / "e").mkdir()
+    code, err, _ = run_cli(capsys, "train", *TRAIN, f"--data={corpus}", f"--out={tmp_path / 'e'}",
+                           "--resume")  # fmt: skip
+    assert_refused(code, err, "nothing to resume", "without --resume to start over")
+    assert not list((tmp_path / "e").iterdir())
+
+
+def test_resume_into_a_final_model_folder_names_the_run(capsys, tmp_path, corpus, stopped):
+    """``--resume --out RUN/final`` (before: ``RUN/final/config.json: unknown option
+    'architectures'``): it is a model, and the run is its parent."""
+    run = tmp_path / "run"
+    shutil.copytree(stopped, run)
+    code, err, _ = run_cli(capsys, "train", *TRAIN, f"--data={corpus}", f"--out={run}", "--resume")
+    assert code in (0, None), err  # finishes: final/ is written
+    before = snapshot(run / "final")
+    code, err, _ = run_cli(capsys, "train", "--resume", f"--out={run / 'final'}")
+    assert_refused(code, err, f"{run / 'final'} is a model folder", f"--resume --out {run}")
+    hf = tmp_path / "hf"
+    shutil.copytree(run / "final", hf)
+    (hf / ".mloco-output.json").unlink()
+    code, err, _ = run_cli(capsys, "train", "--resume", f"--out={hf}")
+    assert_refused(code, err, f"{hf} is a model folder", "continues a run folder")
+    assert snapshot(run / "final") == before and "architectures" not in err
+    assert not (run / "final" / ".mloco-lock").exists()

@@ -25,6 +25,7 @@ from typing import Any
 
 from mergekit_loco.io.files import brief, read_json, read_limited, shown, unique_keys
 from mergekit_loco.io.yaml_config import MAX_CONFIG_BYTES, ConfigFileError, bounded, load_yaml
+from mergekit_loco.run_layout import check_not_a_model
 from mergekit_loco.train.config_sections import (
     DEFAULT_TOKENS,
     CheckpointConfig,
@@ -388,6 +389,7 @@ def resolve_config(config_file: str | Path | None = None, **overrides: Any) -> T
 
     base = TrainConfig().to_dict()
     if explicit.get("resume"):
+        check_not_a_model(Path(explicit.get("out", base["out"])))
         saved = Path(explicit.get("out", base["out"])) / "config.json"
         if saved.exists():  # a FIFO or device there is refused by read_json, not skipped
             saved_values = read_json(saved, "run config")  # a regular file, strict, bounded

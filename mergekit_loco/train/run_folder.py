@@ -30,6 +30,7 @@ from mergekit_loco.run_layout import (
     CHECKPOINTS,
     CONFIG,
     FINAL,
+    FINAL_KIND,
     LATEST,
     METRICS,
     RUN_KIND,
@@ -263,7 +264,7 @@ def save_final(folder: Path, model: torch.nn.Module, tokenizer: PreTrainedTokeni
     (:func:`mergekit_loco.io.atomic.staged_output`; a previous final model is replaced)."""
     hf_logging.disable_progress_bar()
     try:
-        with staged_output(folder, "final model", replace=True) as staging:
+        with staged_output(folder, FINAL_KIND, replace=True) as staging:
             model.save_pretrained(staging)
             tokenizer.save_pretrained(staging)
     finally:
