@@ -199,3 +199,27 @@ def test_a_resumed_dropout_run_equals_an_uninterrupted_one(corpus, tmp_path):
         assert torch.equal(param, whole[name]), name
     for name, param in weights(tmp_path / "resumed-torchrun").items():
         torch.testing.assert_close(param, whole[name], rtol=1e-4, atol=1e-6)
+
+
+def test_a_failed_outer_step_collective_names_the_configured_timeout(monkeypatch):
+    """The outer step's collectives name the ``--timeout`` mloco gave ``init_process_group``
+    (before: "the one given to init_process_group" while docs/reliability.md showed 20 s)."""
+    from mergekit_loco.dist import transport
+    from mergekit_loco.dist.transport import CollectiveFailed, CommStats, Transport
+
+    comm = Transport.__new__(Transport)  # no process group: only run()'s failure path is used
+    comm.rank, comm.stats, comm.codec = (
+        0,
+        CommStats(),
+        type("C", (), {"device": torch.device("cpu")}),
+    )
+
+    def dead_peer():
+        raise RuntimeError("Connection closed by peer")
+
+    monkeypatch.setattr(transport, "group_timeout_s", 20.0)
+    with pytest.raises(CollectiveFailed, match=r"\(collective timeout: 20 s\)"):
+        comm.run("all_reduce", 0, dead_peer)
+    transport.note_group_timeout(None)
+    with pytest.raises(CollectiveFailed, match="the one given to init_process_group"):
+        comm.run("all_reduce", 0, dead_peer)

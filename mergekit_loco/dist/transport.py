@@ -43,6 +43,18 @@ class CommStats:
     collectives: int = 0
 
 
+#: Seconds this process gave ``init_process_group`` when mloco created the group (``mloco train``
+#: under torchrun, :func:`note_group_timeout`); the outer step's collectives name it when they
+#: fail. None: a group the caller created, whose timeout torch does not expose.
+group_timeout_s: float | None = None
+
+
+def note_group_timeout(seconds: float | None) -> None:
+    """Record the timeout of the process group this process created (None once destroyed)."""
+    global group_timeout_s
+    group_timeout_s = seconds
+
+
 class Transport:
     """This rank's view of ``group``: bucketed, encoded, accounted, guarded collectives."""
 
@@ -64,7 +76,8 @@ class Transport:
         """:func:`guarded` ``collective(*args, **kwargs)``, timed and counted in the stats."""
         start = self._clock()
         try:
-            guarded(f"rank {self.rank}", f"outer step collective {op}", collective, *args, **kwargs)
+            guarded(f"rank {self.rank}", f"outer step collective {op}", collective, *args,
+                    timeout_s=group_timeout_s, **kwargs)  # fmt: skip
         finally:
             self.stats.comm_seconds += self._clock() - start
         self.stats.bytes_sent += bytes_sent

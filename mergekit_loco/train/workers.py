@@ -24,6 +24,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from mergekit_loco.device import resolve_device
 from mergekit_loco.dist import guarded
+from mergekit_loco.dist.transport import note_group_timeout
 from mergekit_loco.train.config import TrainConfig
 from mergekit_loco.train.data import BatchStream
 from mergekit_loco.train.schedule import WarmupCosine
@@ -248,6 +249,7 @@ class TorchrunWorkers(WorkerGroup):
                 timeout=datetime.timedelta(seconds=timeout),
                 device_id=device if device.type == "cuda" else None,
             )
+            note_group_timeout(timeout)  # the outer step's collectives name it on failure
 
     def _collective(self, what: str, call: Callable, *args, **kwargs):
         """``call(*args, **kwargs)`` through :func:`~mergekit_loco.dist.guarded`."""
@@ -293,6 +295,7 @@ class TorchrunWorkers(WorkerGroup):
         """Destroy the process group if this object created it (never one it found)."""
         if self.created_process_group and dist.is_initialized():
             dist.destroy_process_group()
+            note_group_timeout(None)
 
 
 def launched_by_torchrun() -> bool:
