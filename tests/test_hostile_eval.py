@@ -192,3 +192,16 @@ def test_a_tokenizer_json_of_the_wrong_structure_names_the_file(
     code, err, _ = run_cli(capsys, "eval", folder, f"--data={corpus}", *EVAL)
     assert_refused(code, err, f"error: {folder / 'tokenizer.json'}: not a tokenizer "
                    f"transformers can read ({cause}")  # fmt: skip
+
+
+def test_a_training_checkpoint_folder_points_to_its_parameters(capsys, tmp_path, corpus):
+    """``eval RUN/checkpoints/round-K`` (before: "found rng-rank-0000.pt: convert it to
+    safetensors first" though the folder holds global.safetensors)."""
+    checkpoint = tmp_path / "run" / "checkpoints" / "round-000002"
+    checkpoint.mkdir(parents=True)
+    save_file({"w": torch.zeros(2)}, checkpoint / "global.safetensors")
+    torch.save({}, checkpoint / "rng-rank-0000.pt")
+    code, err, _ = run_cli(capsys, "eval", checkpoint, f"--data={corpus}", *EVAL)
+    assert_refused(code, err, "a training checkpoint", str(checkpoint / "global.safetensors"),
+                   f"--tokenizer {tmp_path / 'run' / 'final'}")  # fmt: skip
+    assert "convert it to safetensors" not in err

@@ -347,6 +347,12 @@ def open_checkpoint(path: str | Path) -> CheckpointReader:
         final = path / "final"  # a training run's folder: run_layout.FINAL holds its model
         if any((final / name).is_file() for name in (INDEX_FILE, SINGLE_FILE)):
             hint = f" (a training run: its model is {shown(final)})"
+        if (path / "global.safetensors").is_file():  # a training checkpoint (train.checkpoint)
+            run_final = path.parent.parent / "final"
+            hint = (
+                f" (a training checkpoint: its parameters are {shown(path / 'global.safetensors')}"
+                f"; mloco eval takes that file with --tokenizer {shown(run_final)})"
+            )
         raise CheckpointError(
             f"{shown(path)}: no {SINGLE_FILE} or {INDEX_FILE} in this folder{hint}"
         )
