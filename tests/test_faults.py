@@ -569,13 +569,13 @@ def test_cli_divergence_exits_1_in_one_line(corpus, tmp_path):
 
 # -- data and config -----------------------------------------------------------------------------
 def test_data_shard_that_runs_short_is_refused_before_any_step(corpus, tmp_path, monkeypatch):
-    real_shard = run.worker_shard
+    real_slice = run.worker_slice
 
-    def short_third_shard(tokens, worker, workers):
-        shard = real_shard(tokens, worker, workers)
+    def short_third_slice(tokens, worker, workers, bounds):
+        shard = real_slice(tokens, worker, workers, bounds)
         return shard[:-40] if worker == 2 else shard
 
-    monkeypatch.setattr(run, "worker_shard", short_third_shard)
+    monkeypatch.setattr(run, "worker_slice", short_third_slice)
     with pytest.raises(DataExhausted, match="worker 2's data shard has 472 tokens left, the 4 "
                        "remaining rounds need 512"):  # fmt: skip
         train(tiny_config(corpus, tmp_path / "run"), progress=False)

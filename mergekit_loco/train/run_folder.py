@@ -87,14 +87,14 @@ def resume_point(out: Path, config: TrainConfig) -> Path:
         saved = read_state(checkpoint)["config"]
         changes = config.differences(saved)
         saved = TrainConfig.from_dict(saved)
-    check_fixed_on_resume(checkpoint, saved, config)
+    missing = ""
+    if not (out / CONFIG).exists():
+        missing = (
+            f" ({out / CONFIG} is missing, so the options not given were the defaults; "
+            f'{checkpoint / STATE} records the run\'s under "config")'
+        )
+    check_fixed_on_resume(checkpoint, saved, config, missing)
     if changes and not config.checkpoint.allow_config_change:
-        missing = ""
-        if not (out / CONFIG).exists():
-            missing = (
-                f" ({out / CONFIG} is missing, so the options not given were the defaults; "
-                f'{checkpoint / STATE} records the run\'s under "config")'
-            )
         raise ValueError(
             f"{checkpoint} was written with another config ({'; '.join(changes)}){missing}; "
             "pass the same options, or --allow-config-change to resume anyway"
@@ -108,9 +108,12 @@ def resume_point(out: Path, config: TrainConfig) -> Path:
 FIXED_ON_RESUME = ("mode", "workers", "global_batch", "seq_len", "inner_steps")
 
 
-def check_fixed_on_resume(checkpoint: Path, saved: TrainConfig, config: TrainConfig) -> None:
+def check_fixed_on_resume(
+    checkpoint: Path, saved: TrainConfig, config: TrainConfig, note: str = ""
+) -> None:
     """Refuse, before any checkpoint file but state.json is read, a resume that changes an
-    option of :data:`FIXED_ON_RESUME`: ValueError saying what the checkpoint holds."""
+    option of :data:`FIXED_ON_RESUME`: ValueError saying what the checkpoint holds (and
+    ``note``, why options differ)."""
     theirs, mine = saved.to_dict(), config.to_dict()
     changed = [name for name in FIXED_ON_RESUME if theirs[name] != mine[name]]
     if not changed:
@@ -123,8 +126,8 @@ def check_fixed_on_resume(checkpoint: Path, saved: TrainConfig, config: TrainCon
         f"{checkpoint} holds a {kind} run of {saved.run.workers} workers, rounds of "
         f"{saved.inner.steps} inner steps x global batch {saved.data.global_batch} x seq len "
         f"{saved.data.seq_len} = {saved.tokens_per_round():,} tokens; mode, workers and round "
-        f"size cannot change on resume, even with --allow-config-change ({flags}): resume with "
-        "the run's values, or start a new run in another --out"
+        f"size cannot change on resume, even with --allow-config-change ({flags}){note}: resume "
+        "with the run's values, or start a new run in another --out"
     )
 
 
