@@ -60,7 +60,12 @@ class Run:
     train_curve: tuple[tuple[int, float], ...] = field(default=(), repr=False)
 
     def row(self) -> dict:
-        return {column: getattr(self, column) for column in RUN_COLUMNS}
+        """The ``results.csv`` row; ``inner_steps`` is empty (None) for the baseline, which has
+        no inner steps (its config holds the preset's H, unused), as in ``summary.csv``."""
+        row = {column: getattr(self, column) for column in RUN_COLUMNS}
+        if self.aggregator == BASELINE:
+            row["inner_steps"] = None
+        return row
 
 
 def read_run_config(run_dir: Path) -> dict[str, Any]:
@@ -276,7 +281,7 @@ def runs_from_table(path: Path) -> list[Run]:
             name=row["name"],
             aggregator=row["aggregator"],
             workers=int(row["workers"]),
-            inner_steps=int(row["inner_steps"]),
+            inner_steps=number(row["inner_steps"], int) or 0,  # empty for the baseline
             seed=int(row["seed"]),
             outer_lr=setting_value(number(row.get("outer_lr"), float)),
             outer_momentum=setting_value(number(row.get("outer_momentum"), float)),

@@ -303,7 +303,7 @@ def summary_records(summary: Sequence[SummaryRow]) -> list[dict]:
         record = {
             "aggregator": row.aggregator,
             "workers": row.workers,
-            "inner_steps": row.inner_steps,
+            "inner_steps": None if row.is_baseline else row.inner_steps,  # dp: no inner steps
             "outer_lr": row.outer_lr,
             "outer_momentum": row.outer_momentum,
             **{f"val_loss_{k}": json_value(v) for k, v in asdict(row.loss).items()},
