@@ -294,7 +294,11 @@ def run_sweep(
     for name, vocab_size, seq_len in models:  # a cell would fail only once it has started
         check_seq_len(model_config(name, vocab_size), seq_len, name)
     check_results_folder(
-        Path(out), run_layout.SWEEP_KIND, inputs - set(BUILTIN_SOURCES), (run_layout.SWEEP_RUNS,)
+        Path(out),
+        run_layout.SWEEP_KIND,
+        inputs - set(BUILTIN_SOURCES),
+        (run_layout.SWEEP_RUNS,),
+        has_force=False,  # --force is merge mode's
     )
     with results_lock(Path(out)) as lock:
         lock.acquire()

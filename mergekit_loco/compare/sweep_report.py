@@ -368,6 +368,12 @@ def report_sweep(
     (:func:`~mergekit_loco.io.atomic.check_free_or_ours`), never another command's output."""
     results = Path(results_dir)
     out = Path(out) if out is not None else results
+    if (results / run_layout.CONFIG).is_file() and not (results / run_layout.SWEEP_RUNS).is_dir():
+        raise ValueError(
+            f"{shown(results)} is a training run (it holds {run_layout.CONFIG}), not a compare "
+            "folder: mloco report takes a folder written by mloco compare -o (mloco eval "
+            f"{shown(results / run_layout.FINAL)} scores the run's model)"
+        )
     if not (results / run_layout.SWEEP_RUNS).is_dir():  # a published results.csv has no curves
         raise FileNotFoundError(f"{results / run_layout.SWEEP_RUNS}: no runs to re-render")
     conflict = setting_conflict(run_configs(results / run_layout.SWEEP_RUNS))
@@ -383,7 +389,7 @@ def report_sweep(
     kinds = (kind,)
     if not into_sweep and not (out / run_layout.SWEEP_RUNS).exists():
         kinds += (run_layout.SWEEP_KIND,)  # a report written before reports had their own kind
-    check_free_or_ours(out, "the report folder", kinds, reads=reads)
+    check_free_or_ours(out, "the report folder", kinds, reads=reads, has_force=False)
     if marked_kind(out) not in (None, kind):
         mark_output(out, kind)
     runs = load_runs(results)
