@@ -343,14 +343,16 @@ def check_one_comparison(out: Path, cells: Sequence[Cell], configs: Sequence[Tra
 
 def check_same_data(out: Path, config: TrainConfig, has_runs: bool) -> None:
     """Refuse to add runs to ``out`` once the documents of its data spec changed (a file edited,
-    added or removed): the record in ``out/data.json`` (the spec and the fingerprint of its
-    documents' names and stamps, written by the first sweep there) no longer matches. A folder
-    from before the record gets one (what its runs read cannot be told any more)."""
-    from mergekit_loco.train.documents import fingerprint
+    added or removed): the record in ``out/data.json`` (the spec and the sha256 of its
+    documents' names and texts, :func:`~mergekit_loco.train.documents.content_fingerprint`,
+    written by the first sweep there; a folder moved to another machine, or data reinstalled
+    unchanged, still matches) no longer matches. A folder from before the record gets one
+    (what its runs read cannot be told any more)."""
+    from mergekit_loco.train.documents import content_fingerprint
     from mergekit_loco.train.sources import load_documents
 
-    record = {"data": config.data.source,
-              "documents": fingerprint(load_documents(config.data.source))}  # fmt: skip
+    documents = content_fingerprint(load_documents(config.data.source))
+    record = {"data": config.data.source, "documents": documents}
     path = out / DATA_FILE
     saved = read_json(path, "sweep data record") if path.is_file() else None
     if saved == record:
