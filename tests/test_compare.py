@@ -12,11 +12,12 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
 import torch
-from hostile import snapshot
+from hostile import assert_refused, run_cli, snapshot
 
 from mergekit_loco.cli import main
 from mergekit_loco.compare import merges, render, results_lock, runs
@@ -660,3 +661,83 @@ def test_plan_refuses_a_value_given_twice():
         sweep = Sweep(**(fields | {field_name: values}), baseline=False, shared=shared)
         with pytest.raises(ValueError, match=f"{option}: {values[0]} is given twice"):
             plan(sweep)
+
+
+# -- one comparison per folder ----------------------------------------------------------------
+def fake_train(config, progress=True):
+    """A finished run in no time: the config.json and final event a report reads."""
+    out = Path(config.run.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config.to_dict()))
+    final = {"event": "final", "round": config.total_rounds(), "val_loss": 3.0}
+    (out / "metrics.jsonl").write_text(json.dumps(final) + "\n")
+    return types.SimpleNamespace(finished=True)
+
+
+def toy_compare(data: str, out: Path, *options: str, tokens: int = 512) -> list[str]:
+    return ["compare", "--model", "micro", "--tokens", str(tokens), "--global-batch", "4",
+            "--seq-len", "32", "--vocab-size", "300", "--val-tokens", "256", "--data", data,
+            "--inner-steps", "2", "--no-figures", "--quiet", "-o", str(out), *options]  # fmt: skip
+
+
+def test_compare_refuses_cells_of_another_budget_in_the_folder(tmp_path, monkeypatch, capsys):
+    """The reviewer's case: a second compare at twice the tokens into the same folder added
+    1024-token cells beside 512-token ones, paired with the 512-token baseline."""
+    monkeypatch.setattr(sweeping, "train", fake_train)
+    data = write_domain(tmp_path / "data", lambda d, i: f"x{d} = {i}", documents=3)
+    out = tmp_path / "cmp"
+    first = toy_compare(data, out, "--aggregators", "diloco,isoloco", "--workers", "1,2",
+                        "--seeds", "0,1")  # fmt: skip
+    assert run_cli(capsys, *first)[0] == 0
+    before = snapshot(tmp_path)
+    more = toy_compare(data, out, "--aggregators", "diloco", "--workers", "4", "--seeds", "0,1",
+                       "--no-baseline", tokens=1024)  # fmt: skip
+    code, err, _ = run_cli(capsys, *more)
+    old = "the folder's runs with 512 (e.g. diloco-R1-H2-s0)"
+    assert_refused(code, err, "cell diloco-R4-H2-s0 would train with tokens 1024", old, "new -o")
+    assert snapshot(tmp_path) == before
+    # what legitimately varies: another R, a tuned outer lr and momentum (stage 5's cells)
+    tuned = ("--outer-lr-grid", "diloco=0.35", "--outer-momentum-grid", "0.8")
+    again = toy_compare(data, out, "--aggregators", "diloco", "--workers", "4", "--seeds", "0,1",
+                        *tuned)  # fmt: skip
+    code, err, _ = run_cli(capsys, *again)
+    assert code == 0, err
+    # a second stage at 2x tokens in a folder of its own is its own comparison
+    doubled = toy_compare(data, tmp_path / "doubled", "--aggregators", "diloco", "--workers",
+                          "2", tokens=1024)  # fmt: skip
+    assert run_cli(capsys, *doubled)[0] == 0
+
+
+def test_compare_refuses_a_folder_whose_data_changed(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sweeping, "train", fake_train)
+    data = write_domain(tmp_path / "data", lambda d, i: f"x{d} = {i}", documents=3)
+    out = tmp_path / "cmp"
+    args = toy_compare(data, out, "--aggregators", "diloco", "--workers", "2")
+    assert run_cli(capsys, *args)[0] == 0
+    assert json.loads((out / "data.json").read_text())["data"] == data
+    # the same texts rewritten (a reinstall, another machine: new file times) still match
+    for document in Path(data).iterdir():
+        document.write_text(document.read_text())
+        os.utime(document, (1, 1))
+    assert run_cli(capsys, *args[:-2], "--workers", "4", *args[-2:])[0] == 0
+    (Path(data) / "doc01.txt").write_text("y = 1\n")
+    code, err, _ = run_cli(capsys, *args[:-2], "--workers", "8", *args[-2:])
+    assert_refused(code, err, f"the documents of --data {data} changed since its runs trained",
+                   "choose a new -o")  # fmt: skip
+
+
+def test_a_run_copied_into_a_compare_folder_is_refused(tmp_path, monkeypatch, capsys):
+    """A run of another validation set copied over a cell: report and compare both refuse."""
+    monkeypatch.setattr(sweeping, "train", fake_train)
+    data = write_domain(tmp_path / "data", lambda d, i: f"x{d} = {i}", documents=3)
+    out = tmp_path / "cmp"
+    args = toy_compare(data, out, "--aggregators", "diloco", "--workers", "2")
+    assert run_cli(capsys, *args)[0] == 0
+    cell = out / "runs" / "diloco-R2-H2-s0"
+    config = json.loads((cell / "config.json").read_text())
+    (cell / "config.json").write_text(json.dumps({**config, "val_tokens": 512}))
+    code, err, _ = run_cli(capsys, "report", out, "--no-figures")
+    assert_refused(code, err, "its runs are not one comparison, they differ in val_tokens 512 "
+                   "(diloco-R2-H2-s0) vs 256 (dp-s0)")  # fmt: skip
+    code, err, _ = run_cli(capsys, *args)
+    assert_refused(code, err, "its runs are not one comparison", "val_tokens", "choose a new -o")

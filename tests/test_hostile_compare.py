@@ -56,14 +56,14 @@ def merge_args(models, out, *extra) -> list:
             "--seq-len=32", "--no-figures", "-q", "-o", out, *extra]  # fmt: skip
 
 
-@pytest.mark.parametrize("force", [False, True])
-def test_sweep_refuses_a_folder_holding_user_files(capsys, tmp_path, corpus, force):
+def test_sweep_refuses_a_folder_holding_user_files(capsys, tmp_path, corpus):
+    """(``--force`` is merge mode's, refused in a sweep:
+    :func:`test_an_option_of_the_other_mode_is_refused`.)"""
     out = tmp_path / "ud"
     out.mkdir()
     (out / "results.csv").write_text("precious\n")
     before = snapshot(tmp_path)
-    code, err, _ = run_cli(capsys, *SWEEP, "--data", corpus, "-o", out,
-                           *(["--force"] if force else []))  # fmt: skip
+    code, err, _ = run_cli(capsys, *SWEEP, "--data", corpus, "-o", out)
     assert_refused(code, err, str(out), f"no {OWNER_MARKER}")
     assert snapshot(tmp_path) == before
 
@@ -164,3 +164,27 @@ def test_a_list_option_holding_no_values_is_named(capsys, tmp_path, corpus, opti
     code, err, _ = run_cli(capsys, *args, f"{option}=,", "--data", corpus, "-o", tmp_path / "o")
     assert_refused(code, err, f"{option}: ',' holds no values")
     assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize(("args", "fragment"), [
+    (["--seed", "5"], "--seed is an option of --mode merge, not of --mode aggregators; drop it "
+     "(the cells' seeds are --seeds"),
+    (["--tokenizer", "/nonexist"], "--tokenizer is an option of --mode merge"),
+    (["--force"], "--force is an option of --mode merge"),
+    (["--methods", "ties"], "--methods is an option of --mode merge"),
+    (["--mode", "merge", "--aggregators", "foo"], "--aggregators is an option of --mode "
+     "aggregators, not of --mode merge; drop it"),
+    (["--mode", "merge", "--workers", "4"], "--workers is an option of --mode aggregators"),
+    (["--mode", "merge", "--tokens", "7"], "--tokens is an option of --mode aggregators"),
+    (["--mode", "merge", "--inner-lr", "5"], "--inner-lr is an option of --mode aggregators"),
+    (["--mode", "merge", "--jobs", "3"], "--jobs is an option of --mode aggregators"),
+    (["--mode", "merge", "--no-baseline"], "--baseline/--no-baseline is an option of --mode agg"),
+])  # fmt: skip
+def test_an_option_of_the_other_mode_is_refused(capsys, tmp_path, args, fragment):
+    """Before: exit 0, the option ignored (``--seed 5`` trained seed 0, ``--tokenizer`` a
+    fresh tokenizer; ``--mode merge --jobs 3`` merged one at a time)."""
+    merge = ["compare", "--base", "b", "--finetuned", "f1,f2", "--data", "d1,d2"]
+    code, err, _ = run_cli(capsys, *(merge if "merge" in args else SWEEP), *args,
+                           "-o", tmp_path / "out")  # fmt: skip
+    assert_refused(code, err, fragment)
+    assert not (tmp_path / "out").exists()

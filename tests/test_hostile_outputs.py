@@ -176,8 +176,9 @@ def test_report_keeps_the_files_of_a_folder_it_did_not_write(capsys, tmp_path):
     before = snapshot(tmp_path)
     code, err, _ = run_cli(capsys, "report", project, "--no-figures")
     refusal = f"{project}: the report folder holds files mergekit_loco did not write"
-    assert_refused(code, err, refusal, f"(no {OWNER_MARKER}): it holds results.csv",
-                   "refused even with --force")  # fmt: skip
+    line = assert_refused(code, err, refusal, f"(no {OWNER_MARKER}): it holds results.csv",
+                          "refused: choose a new")  # fmt: skip
+    assert "--force" not in line  # report has no --force
     assert snapshot(tmp_path) == before
     # rendered elsewhere with -o (before: -o was ignored for a sweep): the folder is untouched
     assert run_cli(capsys, "report", project, "-o", tmp_path / "mine", "--no-figures")[0] == 0
@@ -279,8 +280,9 @@ def test_compare_never_writes_into_another_commands_output(
     kind = json.loads((out / OWNER_MARKER).read_text())["kind"]
     before = snapshot(tmp_path)
     code, err, _ = run_cli(capsys, *COMPARE, f"--data={corpus}", "-o", out)
-    assert_refused(code, err, f"{out}: -o is a {kind} mergekit_loco wrote, not a compare sweep",
-                   "refused even with --force")  # fmt: skip
+    line = assert_refused(code, err, f"{out}: -o is a {kind} mergekit_loco wrote, not a "
+                          "compare sweep", "refused: choose a new")  # fmt: skip
+    assert "--force" not in line  # a sweep has no --force (merge mode's)
     assert snapshot(tmp_path) == before
     if target == "merged_dir":  # still replaceable by the merge that wrote it
         files = sorted(tmp_path.glob("m*.safetensors"))

@@ -137,3 +137,19 @@ def test_a_damaged_evaluations_file_is_named(capsys, tmp_path, document, fragmen
     code, err, _ = run_cli(capsys, "report", folder)
     assert_refused(code, err, str(folder / "evaluations.json"), fragment)
     assert snapshot(tmp_path) == before
+
+
+def test_report_of_a_training_run_says_it_takes_a_compare_folder(capsys, tmp_path):
+    """Before: ``RUN/runs: no runs to re-render``; and report's refusals spoke of a --force it
+    does not have (``tests/test_hostile_outputs.py``)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(CONFIG)
+    (run / "metrics.jsonl").write_text(FINAL + "\n")
+    before = snapshot(tmp_path)
+    code, err, _ = run_cli(capsys, "report", run, "--no-figures")
+    line = assert_refused(code, err, f"{run} is a training run (it holds config.json), not a "
+                          "compare folder: mloco report takes a folder written by mloco "
+                          f"compare -o (mloco eval {run / 'final'} scores")  # fmt: skip
+    assert "--force" not in line
+    assert snapshot(tmp_path) == before

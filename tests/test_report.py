@@ -660,3 +660,48 @@ def test_tables_are_not_cut_when_stdout_is_not_a_terminal(tmp_path, capsys, monk
     # by hand: diloco - isoloco per seed 0.5, 0.6; 95% t-interval 0.55 +- 12.706 * 0.0707 / sqrt(2)
     assert "aggregator" in outputs[0] and "+0.5500 [-0.0853, +1.1853] n.s." in outputs[0]
     assert "mean ± std over 2 fine-tune sets" in outputs[1]
+
+
+def test_the_baseline_has_no_inner_steps_in_either_csv(tmp_path, capsys):
+    """Before: summary.csv wrote inner_steps 0 for dp and results.csv the preset's unused H."""
+    from hostile import run_cli
+
+    for seed in (0, 1):
+        write_run(tmp_path, f"dp-s{seed}", "dp", 1, seed, 3.9 + seed / 10)
+        write_run(tmp_path, f"diloco-R2-H2-s{seed}", "diloco", 2, seed, 3.5 + seed / 10)
+    assert run_cli(capsys, "report", tmp_path, "--no-figures")[0] == 0
+    for name in ("results.csv", "summary.csv"):
+        with open(tmp_path / name, newline="") as handle:
+            steps = {(row["aggregator"], row["inner_steps"]) for row in csv.DictReader(handle)}
+        assert steps == {("dp", ""), ("diloco", "2")}, name
+    document = json.loads((tmp_path / "results.json").read_text())
+    assert {r["inner_steps"] for r in document["runs"] if r["aggregator"] == "dp"} == {None}
+    assert [r["inner_steps"] for r in document["summary"] if r["aggregator"] == "dp"] == [None]
+    # a published results.csv reads back (the baseline's empty H as 0, as summarize keys it)
+    assert {run.inner_steps for run in runs.runs_from_table(tmp_path / "results.csv")} == {0, 2}
+
+
+def test_ordering_cuts_only_where_every_pair_across_separates(tmp_path, capsys):
+    """docs/compare.md's rule, by hand: b - c = -0.11, -0.10, -0.09 (mean -0.1, sd 0.01, 95%
+    half-width t(0.975, 2) = 4.303 x 0.01 / sqrt(3) = 0.025) separates, but a - c = -1.0, +0.5,
+    0.0 (mean -0.167, sd 0.764, half-width 1.90) does not: the neighbours b, c separate, yet
+    no cut puts every name before it below every name after it, so no ``<``."""
+    from mergekit_loco.cli import main
+
+    a = {0: 1.0, 1: 2.5, 2: 2.0}  # mean 1.833
+    b = {0: 1.89, 1: 1.90, 2: 1.91}  # mean 1.9
+    c = {0: 2.0, 1: 2.0, 2: 2.0}
+    neighbours = paired_interval(b, c)
+    assert neighbours.separated and neighbours.high < 0
+    assert not paired_interval(a, c).separated
+    assert ordering({"a": a, "b": b, "c": c}) == "a ~ b ~ c"  # a neighbour rule: a ~ b < c
+    assert ordering({"b": b, "c": c}) == "b < c"
+    # through the CLI: isoloco, diloco and the dp baseline as a, b, c
+    for seed in a:
+        write_run(tmp_path, f"isoloco-R2-H2-s{seed}", "isoloco", 2, seed, a[seed])
+        write_run(tmp_path, f"diloco-R2-H2-s{seed}", "diloco", 2, seed, b[seed])
+        write_run(tmp_path, f"dp-s{seed}", "dp", 1, seed, c[seed])
+    with pytest.raises(SystemExit) as exited:
+        main(["report", str(tmp_path), "--no-figures"])
+    assert exited.value.code == 0
+    assert "R=2 H=2: isoloco ~ diloco ~ dp" in capsys.readouterr().out

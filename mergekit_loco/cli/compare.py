@@ -85,8 +85,41 @@ def parse_seeds(text: str) -> tuple[int, ...]:
     return tuple(range(seeds[0]))
 
 
+#: The options of one mode that the other has no use for (``--data``, ``--seq-len``, ``-o``,
+#: ``--figures`` serve both).
+MODE_OPTIONS = {
+    "aggregators": ("aggregators", "workers", "inner_steps", "seeds", "outer_lr_grid",
+                    "outer_momentum_grid", "inner_lr", "weight_decay", "val_seed", "baseline",
+                    "model", "tokens", "global_batch", "vocab_size", "val_tokens", "eval_every",
+                    "checkpoint_every", "jobs"),
+    "merge": ("base", "finetuned", "methods", "scales", "eval_tokens", "tokenizer", "seed",
+              "force"),
+}  # fmt: skip
+#: What to say of an option of the other mode that looks like one of this mode.
+INSTEAD = {("aggregators", "seed"): " (the cells' seeds are --seeds: a count, or a list like 5,)"}
+
+
+def check_mode_options(ctx: typer.Context, mode: str) -> None:
+    """Refuse, naming it, an option given on the command line that ``mode`` does not use (before,
+    ``--seed 5`` in aggregators mode was ignored and the cells ran seed 0)."""
+    for other, names in MODE_OPTIONS.items():
+        if other == mode:
+            continue
+        for name in names:
+            source = ctx.get_parameter_source(name)  # typer's own click: compared by name
+            if source is None or source.name == "DEFAULT":
+                continue
+            param = next(p for p in ctx.command.params if p.name == name)
+            flag = "/".join([max(param.opts, key=len), *getattr(param, "secondary_opts", [])])
+            raise ValueError(
+                f"{flag} is an option of --mode {other}, not of --mode {mode}; drop it"
+                + INSTEAD.get((mode, name), "")
+            )
+
+
 @user_errors
 def compare_command(
+    ctx: typer.Context,
     output: Annotated[Path, typer.Option("--output", "-o", help="Results folder.")],
     mode: Annotated[
         str, typer.Option(help="aggregators: DiLoCo sweep; merge: one-shot merges of fine-tunes.")
@@ -194,6 +227,7 @@ def compare_command(
     console = output_console(quiet=quiet)
     if mode not in MODES:
         raise ValueError(f"--mode must be one of {', '.join(MODES)}, not {mode!r}")
+    check_mode_options(ctx, mode)
     check_output_parent(output, "-o")
     if mode == "merge":
         if base is None or finetuned is None or data is None:

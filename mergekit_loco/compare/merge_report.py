@@ -285,7 +285,7 @@ def report_documents(
     nothing but ``evaluations.json`` (then marked ``kind``), never another
     (:func:`~mergekit_loco.io.atomic.check_free_or_ours`)."""
     out = Path(out)
-    check_free_or_ours(out, "the report folder", (kind,), reads=(EVALUATIONS,))
+    check_free_or_ours(out, "the report folder", (kind,), reads=(EVALUATIONS,), has_force=False)
     summary = summarize_merges(documents)
     domains = next(iter(documents.values()))["domains"]
     records = [

@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,7 +60,12 @@ class Run:
     train_curve: tuple[tuple[int, float], ...] = field(default=(), repr=False)
 
     def row(self) -> dict:
-        return {column: getattr(self, column) for column in RUN_COLUMNS}
+        """The ``results.csv`` row; ``inner_steps`` is empty (None) for the baseline, which has
+        no inner steps (its config holds the preset's H, unused), as in ``summary.csv``."""
+        row = {column: getattr(self, column) for column in RUN_COLUMNS}
+        if self.aggregator == BASELINE:
+            row["inner_steps"] = None
+        return row
 
 
 def read_run_config(run_dir: Path) -> dict[str, Any]:
@@ -69,6 +75,66 @@ def read_run_config(run_dir: Path) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise ValueError(f"{shown(run_dir / run_layout.CONFIG)}: not a JSON object")
     return config
+
+
+#: The settings every run of one compare folder shares, the comparison's fixed protocol: the
+#: FLOP-matched budget and batch shape, the model, the data and its tokenizer, the validation set
+#: and the inner optimizer's shape. A cell varies the preset (its aggregator and outer
+#: optimizer), R, H, the seed, the outer lr and momentum, and its eval/checkpoint cadence.
+FIXED_SETTINGS = (
+    "model", "init", "data", "tokens", "chinchilla", "global_batch", "seq_len", "vocab_size",
+    "tokenizer", "val_tokens", "val_seed", "inner_optimizer", "betas", "grad_clip",
+    "warmup_fraction",
+)  # fmt: skip
+#: Fixed among the runs of one preset: presets set their own (dp its own inner lr and weight
+#: decay), and ``compare --inner-lr/--weight-decay`` sets them for every preset.
+PRESET_SETTINGS = ("inner_lr", "weight_decay")
+
+
+@dataclass(frozen=True)
+class SettingConflict:
+    """Two runs of one folder that differ in a fixed setting: ``key``, and (run name, value)
+    of the run seen first and of the other."""
+
+    key: str
+    first: tuple[str, Any]
+    other: tuple[str, Any]
+
+    def values(self) -> str:
+        """``tokens 512 (dp-s0) vs 1024 (diloco-R4-H2-s0)``."""
+        (name, value), (other_name, other_value) = self.first, self.other
+        scope = " (per preset)" if self.key in PRESET_SETTINGS else ""
+        return (
+            f"{self.key}{scope} {json.dumps(value)} ({name}) vs {json.dumps(other_value)} "
+            f"({other_name})"
+        )
+
+
+def setting_conflict(configs: Iterable[tuple[str, Mapping[str, Any]]]) -> SettingConflict | None:
+    """The first fixed setting (:data:`FIXED_SETTINGS`, and :data:`PRESET_SETTINGS` among runs
+    of one preset) in which ``configs`` ((run name, config dict), in order) differ; None if they
+    are one comparison. A key a config lacks reads as None; floats equal to 1e-9 relative."""
+    from mergekit_loco.train.config import same_value
+
+    seen: dict[tuple, tuple[str, Any]] = {}
+    for name, config in configs:
+        preset = config.get("preset") or config.get("aggregator")
+        keys = [(key, None) for key in FIXED_SETTINGS]
+        keys += [(key, json.dumps(preset)) for key in PRESET_SETTINGS]
+        for key, scope in keys:
+            value = config.get(key)
+            first = seen.setdefault((key, scope), (name, value))
+            if not same_value(first[1], value):
+                return SettingConflict(key, first, (name, value))
+    return None
+
+
+def run_configs(runs_dir: Path) -> list[tuple[str, dict[str, Any]]]:
+    """(name, config) of every run folder under ``runs_dir`` (sorted by name)."""
+    if not runs_dir.is_dir():
+        return []
+    folders = sorted(d for d in runs_dir.iterdir() if (d / run_layout.CONFIG).exists())
+    return [(folder.name, read_run_config(folder)) for folder in folders]
 
 
 def number_in(mapping: dict, key: str, where: str) -> float:
@@ -215,7 +281,7 @@ def runs_from_table(path: Path) -> list[Run]:
             name=row["name"],
             aggregator=row["aggregator"],
             workers=int(row["workers"]),
-            inner_steps=int(row["inner_steps"]),
+            inner_steps=number(row["inner_steps"], int) or 0,  # empty for the baseline
             seed=int(row["seed"]),
             outer_lr=setting_value(number(row.get("outer_lr"), float)),
             outer_momentum=setting_value(number(row.get("outer_momentum"), float)),

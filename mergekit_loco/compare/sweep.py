@@ -30,10 +30,19 @@ from rich.console import Console
 
 from mergekit_loco import run_layout
 from mergekit_loco.compare import check_unique, results_lock
-from mergekit_loco.compare.runs import BASELINE, FAILED_FILE, is_finished, load_run, read_run_config
+from mergekit_loco.compare.runs import (
+    BASELINE,
+    FAILED_FILE,
+    is_finished,
+    load_run,
+    read_run_config,
+    run_configs,
+    setting_conflict,
+)
 from mergekit_loco.compare.sweep_report import SummaryRow, report_sweep
 from mergekit_loco.compare.tables import format_number
 from mergekit_loco.io.atomic import check_results_folder, claim_folder, write_atomically
+from mergekit_loco.io.files import read_json, shown
 from mergekit_loco.train.checkpoint import (
     ONLY_CHECKPOINT_ADVICE,
     CheckpointCorrupt,
@@ -285,14 +294,75 @@ def run_sweep(
     for name, vocab_size, seq_len in models:  # a cell would fail only once it has started
         check_seq_len(model_config(name, vocab_size), seq_len, name)
     check_results_folder(
-        Path(out), run_layout.SWEEP_KIND, inputs - set(BUILTIN_SOURCES), (run_layout.SWEEP_RUNS,)
+        Path(out),
+        run_layout.SWEEP_KIND,
+        inputs - set(BUILTIN_SOURCES),
+        (run_layout.SWEEP_RUNS,),
+        has_force=False,  # --force is merge mode's
     )
     with results_lock(Path(out)) as lock:
         lock.acquire()
         claim_folder(Path(out), run_layout.SWEEP_KIND)
+        check_one_comparison(Path(out), cells, configs)
         console = console or Console(quiet=True)
         run_cells(sweep, cells, runs_dir, jobs, console, progress)
         return report_sweep(out, console=console, figures=figures)
+
+
+#: The sweep folder's record of the data its runs trained on (:func:`check_same_data`).
+DATA_FILE = "data.json"
+NEW_FOLDER_ADVICE = "the runs of one compare folder share its fixed settings; choose a new -o"
+
+
+def check_one_comparison(out: Path, cells: Sequence[Cell], configs: Sequence[TrainConfig]) -> None:
+    """Refuse to add cells to ``out`` whose fixed settings
+    (:data:`~mergekit_loco.compare.runs.FIXED_SETTINGS`) differ from those of the runs it holds
+    (a cell of another budget, data or validation set would be paired with them as if
+    comparable), or to run in a folder whose runs already differ; then :func:`check_same_data`."""
+    runs_dir = out / run_layout.SWEEP_RUNS
+    held = run_configs(runs_dir)
+    conflict = setting_conflict(held)
+    if conflict is not None:
+        raise ValueError(
+            f"{shown(out)}: its runs are not one comparison, they differ in {conflict.values()}"
+            f"; move the differing runs out of {shown(runs_dir)}, or {NEW_FOLDER_ADVICE} folder"
+        )
+    names = {name for name, _ in held}
+    planned = [(c.name, config.to_dict()) for c, config in zip(cells, configs, strict=True)
+               if c.name not in names]  # fmt: skip
+    conflict = setting_conflict(held + planned)
+    if conflict is not None:
+        (old_name, old), (new_name, new) = conflict.first, conflict.other
+        raise ValueError(
+            f"{shown(out)}: cell {new_name} would train with {conflict.key} {json.dumps(new)}, "
+            f"the folder's runs with {json.dumps(old)} (e.g. {old_name}); {NEW_FOLDER_ADVICE} "
+            "folder for this comparison"
+        )
+    check_same_data(out, configs[0], has_runs=bool(held))
+
+
+def check_same_data(out: Path, config: TrainConfig, has_runs: bool) -> None:
+    """Refuse to add runs to ``out`` once the documents of its data spec changed (a file edited,
+    added or removed): the record in ``out/data.json`` (the spec and the sha256 of its
+    documents' names and texts, :func:`~mergekit_loco.train.documents.content_fingerprint`,
+    written by the first sweep there; a folder moved to another machine, or data reinstalled
+    unchanged, still matches) no longer matches. A folder from before the record gets one
+    (what its runs read cannot be told any more)."""
+    from mergekit_loco.train.documents import content_fingerprint
+    from mergekit_loco.train.sources import load_documents
+
+    documents = content_fingerprint(load_documents(config.data.source))
+    record = {"data": config.data.source, "documents": documents}
+    path = out / DATA_FILE
+    saved = read_json(path, "sweep data record") if path.is_file() else None
+    if saved == record:
+        return
+    if has_runs and isinstance(saved, dict) and saved.get("documents") != record["documents"]:
+        raise ValueError(
+            f"{shown(out)}: the documents of --data {record['data']} changed since its runs "
+            f"trained ({shown(path)} holds their fingerprint); {NEW_FOLDER_ADVICE} folder"
+        )
+    write_atomically(path, json.dumps(record, indent=2) + "\n")
 
 
 def run_cells(

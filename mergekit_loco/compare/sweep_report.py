@@ -17,7 +17,15 @@ from rich.console import Console
 from rich.table import Table
 
 from mergekit_loco import run_layout
-from mergekit_loco.compare.runs import BASELINE, RESULTS_CSV, RUN_COLUMNS, Run, load_runs
+from mergekit_loco.compare.runs import (
+    BASELINE,
+    RESULTS_CSV,
+    RUN_COLUMNS,
+    Run,
+    load_runs,
+    run_configs,
+    setting_conflict,
+)
 from mergekit_loco.compare.stats import Spread, format_interval, ordering, paired_interval, spread
 from mergekit_loco.compare.tables import csv_text, format_loss, format_number, json_value
 from mergekit_loco.io.atomic import (
@@ -27,6 +35,7 @@ from mergekit_loco.io.atomic import (
     marked_kind,
     write_atomically,
 )
+from mergekit_loco.io.files import shown
 
 #: an outer setting: (outer lr, outer momentum); (None, None) for the baseline.
 Setting = tuple[float | None, float | None]
@@ -294,7 +303,7 @@ def summary_records(summary: Sequence[SummaryRow]) -> list[dict]:
         record = {
             "aggregator": row.aggregator,
             "workers": row.workers,
-            "inner_steps": row.inner_steps,
+            "inner_steps": None if row.is_baseline else row.inner_steps,  # dp: no inner steps
             "outer_lr": row.outer_lr,
             "outer_momentum": row.outer_momentum,
             **{f"val_loss_{k}": json_value(v) for k, v in asdict(row.loss).items()},
@@ -359,15 +368,28 @@ def report_sweep(
     (:func:`~mergekit_loco.io.atomic.check_free_or_ours`), never another command's output."""
     results = Path(results_dir)
     out = Path(out) if out is not None else results
+    if (results / run_layout.CONFIG).is_file() and not (results / run_layout.SWEEP_RUNS).is_dir():
+        raise ValueError(
+            f"{shown(results)} is a training run (it holds {run_layout.CONFIG}), not a compare "
+            "folder: mloco report takes a folder written by mloco compare -o (mloco eval "
+            f"{shown(results / run_layout.FINAL)} scores the run's model)"
+        )
     if not (results / run_layout.SWEEP_RUNS).is_dir():  # a published results.csv has no curves
         raise FileNotFoundError(f"{results / run_layout.SWEEP_RUNS}: no runs to re-render")
+    conflict = setting_conflict(run_configs(results / run_layout.SWEEP_RUNS))
+    if conflict is not None:  # e.g. a run copied in, or runs of another budget
+        raise ValueError(
+            f"{shown(results)}: its runs are not one comparison, they differ in "
+            f"{conflict.values()}; a report pairs runs of one protocol: move the differing runs "
+            "into a compare folder of their own"
+        )
     into_sweep = out.resolve() == results.resolve()
     reads = (run_layout.SWEEP_RUNS,) if into_sweep else ()
     kind = run_layout.SWEEP_KIND if into_sweep else run_layout.SWEEP_REPORT_KIND
     kinds = (kind,)
     if not into_sweep and not (out / run_layout.SWEEP_RUNS).exists():
         kinds += (run_layout.SWEEP_KIND,)  # a report written before reports had their own kind
-    check_free_or_ours(out, "the report folder", kinds, reads=reads)
+    check_free_or_ours(out, "the report folder", kinds, reads=reads, has_force=False)
     if marked_kind(out) not in (None, kind):
         mark_output(out, kind)
     runs = load_runs(results)

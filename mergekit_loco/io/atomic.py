@@ -128,13 +128,18 @@ def marked_kind(folder: Path) -> str | None:
 
 
 def check_free_or_ours(
-    folder: Path, what: str, kinds: Collection[str], reads: Collection[str] = ()
+    folder: Path,
+    what: str,
+    kinds: Collection[str],
+    reads: Collection[str] = (),
+    has_force: bool = True,
 ) -> None:
     """Refuse to write into ``folder`` unless it is new, ours and marked with one of ``kinds``
     (:func:`marked_kind`: what the command itself writes; a model folder inside a run is no run
     folder, a run folder no sweep), or holds nothing but the entries named ``reads`` (what the
     command reads there) and :data:`LOCK_FILE`; never a symlink or a file. ``--force`` changes
-    nothing here. The message names the folder, what wrote it and a file it holds."""
+    nothing here (the message says so where the command has one, ``has_force``). The message
+    names the folder, what wrote it and a file it holds."""
     if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
         what_it_is = "a symlink" if folder.is_symlink() else "not a folder"
         raise OutputRefused(
@@ -154,8 +159,8 @@ def check_free_or_ours(
         else f"holds files mergekit_loco did not write (no {OWNER_MARKER})"
     )
     raise OutputRefused(
-        f"{shown(folder)}: {what} {whose}: it holds {shown(named)}; refused even with --force: "
-        "choose a new or empty folder"
+        f"{shown(folder)}: {what} {whose}: it holds {shown(named)}; refused"
+        f"{' even with --force' if has_force else ''}: choose a new or empty folder"
     )
 
 
@@ -273,7 +278,11 @@ def check_output(
 
 
 def check_results_folder(
-    out: Path, kind: str, inputs: Iterable[str | Path | None], subfolders: Iterable[str] = ()
+    out: Path,
+    kind: str,
+    inputs: Iterable[str | Path | None],
+    subfolders: Iterable[str] = (),
+    has_force: bool = True,
 ) -> None:
     """Refuse a results folder (``mloco compare -o``, resumed in place) unless it is new, empty
     or ours of ``kind`` (:func:`check_free_or_ours`), does not overlap an input, and no entry
@@ -284,7 +293,7 @@ def check_results_folder(
             f"{shown(out)}: -o would overlap the input {shown(source)} (it is, holds or lies "
             "inside it); choose another results folder"
         )
-    check_free_or_ours(out, "-o", (kind,))
+    check_free_or_ours(out, "-o", (kind,), has_force=has_force)
     for folder in (out, *(out / name for name in subfolders)):
         entries = sorted(folder.iterdir()) if folder.is_dir() else []
         for entry in entries:
