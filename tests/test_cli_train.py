@@ -114,6 +114,24 @@ def test_the_outer_line_names_config_file_values_as_such(captured_run, capsys, t
     assert stdout.splitlines()[0].endswith("(preset diloco)")
 
 
+def test_a_resumed_run_shows_its_own_outer_values_and_aggregator(corpus, tmp_path, capsys):
+    """Resumed with no flags, the header still marks the run's --outer-lr as an override of
+    its preset (before: "(preset diloco)" for lr 1.0), and the summary's title names the
+    aggregator the run used (before: "diloco on micro" for a tsv run)."""
+    run = tmp_path / "run"
+    flags = ["--data", corpus, "--tokens", 1024, "--out", run, "--preset", "diloco",
+             "--aggregator", "tsv", "--outer-lr", "1.0"]  # fmt: skip
+    code, _, err = run_main(capsys, "train", *TINY_FLAGS, *flags, "-q", "--stop-after", 1)
+    assert code == 0, err
+    code, stdout, err = run_main(capsys, "train", "--out", run, "--resume", "--threads", "1")
+    assert code == 0, err
+    assert stdout.splitlines()[0] == (
+        "outer step: tsv of the worker deltas, then SGD with lr 1.0, Nesterov momentum 0.9 "
+        "(preset diloco, overridden by --outer-lr 1.0)"
+    )
+    assert "tsv (preset diloco) on micro" in stdout
+
+
 def test_tuple_options_are_given_as_merge_takes_them_and_resume(corpus, tmp_path, capsys):
     """``--option weights=3,1`` (merge's syntax) and a TOML list both give the tuple (before:
     refused, and a run with it in config.json could not resume); a key given twice, or also as

@@ -30,6 +30,7 @@ from mergekit_loco.train.config import (
     aggregator_preset,
     default,
     given_options,
+    preset_config,
     read_options,
     resolve_config,
 )
@@ -59,6 +60,21 @@ def preset_default(key: str) -> str:
     return f"(default: the preset's; {default('preset')}: {default(key)})"
 
 
+def outer_overrides(config: TrainConfig) -> list[tuple[str, str, bool]]:
+    """``(option, as a flag, differs from the preset)`` of the outer lr, momentum and Nesterov:
+    a resumed run's own values show as overrides though no flag gives them again."""
+    outer, preset = config.outer, preset_config(config.run.preset).outer
+    return [
+        ("outer_lr", f"--outer-lr {outer.lr}", outer.lr != preset.lr),
+        ("outer_momentum", f"--outer-momentum {outer.momentum}", outer.momentum != preset.momentum),
+        (
+            "nesterov",
+            f"--{'' if outer.nesterov else 'no-'}nesterov",
+            outer.nesterov != preset.nesterov,
+        ),
+    ]
+
+
 def describe_outer(config: TrainConfig, given: dict[str, str]) -> str:
     """One line: the aggregator, the outer SGD settings and where they come from (``given``:
     the options the user set, named as written: :func:`given_options`)."""
@@ -74,7 +90,11 @@ def describe_outer(config: TrainConfig, given: dict[str, str]) -> str:
         source = f"the defaults: preset {config.run.preset} has no outer step"
     else:
         source = f"preset {config.run.preset}"
-    overrides = [given[key] for key in ("outer_lr", "outer_momentum", "nesterov") if key in given]
+    overrides = [
+        given.get(key, written)
+        for key, written, differs in outer_overrides(config)
+        if key in given or differs
+    ]
     if overrides:
         source += f", overridden by {', '.join(overrides)}"
     return (

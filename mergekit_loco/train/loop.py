@@ -22,7 +22,7 @@ from mergekit_loco.io.lock import FolderLock
 from mergekit_loco.run_layout import FINAL, LATEST
 from mergekit_loco.train import rounds as turns
 from mergekit_loco.train.checkpoint import pointed_name
-from mergekit_loco.train.config import TrainConfig
+from mergekit_loco.train.config import TrainConfig, preset_config
 from mergekit_loco.train.guards import (
     TrainingDiverged,
     check_finite_loss,
@@ -233,8 +233,17 @@ def finish(run: Run, summary: bool) -> TrainResult:
             "output": str(result.out),
             "final model": f"{result.out / FINAL} (AutoModelForCausalLM.from_pretrained)",
         }
-        print_summary(rows, title=f"{config.run.preset} on {config.model.name}")
+        print_summary(rows, title=f"{run_label(config)} on {config.model.name}")
     return result
+
+
+def run_label(config: TrainConfig) -> str:
+    """The preset's name, or ``AGGREGATOR (preset P)`` where the aggregator is not the
+    preset's own (``--preset diloco --aggregator ta``)."""
+    preset = config.run.preset
+    if config.run.mode == "dp" or config.outer.aggregator == preset_config(preset).outer.aggregator:
+        return preset
+    return f"{config.outer.aggregator} (preset {preset})"
 
 
 def communication_metrics(run: Run) -> dict:
