@@ -241,6 +241,22 @@ def test_config_file_values_are_one_line_naming_the_option(capsys, tmp_path, tex
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("aggregator", ["ties", "mean"])
+def test_a_typo_under_aggregator_options_names_the_file(capsys, tmp_path, aggregator):
+    """``densty`` under [aggregator_options] (before: "aggregator: method 'mean' does not take
+    'densty'", naming no file)."""
+    config = write(tmp_path, "run.toml", f'aggregator = "{aggregator}"\n[aggregator_options]\n'
+                   "densty = 0.5\n")  # fmt: skip
+    code, err = train(capsys, tmp_path, f"--config={config}")
+    line = assert_refused(code, err)
+    assert line.startswith(
+        f"error: aggregator_options in {config}: method {aggregator!r} does not take 'densty' "
+        "(it takes "
+    )
+    assert ("density" in line) == (aggregator == "ties") and "weights" in line
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [

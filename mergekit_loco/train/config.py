@@ -377,7 +377,8 @@ def resolve_config(config_file: str | Path | None = None, **overrides: Any) -> T
     """
     explicit, flags, given = read_options(config_file, overrides)
     explicit = without_folder_actions(explicit, config_file)
-    options = {**explicit.pop("aggregator_options", {}), **flags.pop("aggregator_options", {})}
+    file_options = explicit.pop("aggregator_options", {})
+    options = {**file_options, **flags.pop("aggregator_options", {})}
     explicit.update(flags)
     if "preset" not in explicit and not explicit.get("resume"):
         if explicit.get("mode") == "dp":
@@ -411,7 +412,29 @@ def resolve_config(config_file: str | Path | None = None, **overrides: Any) -> T
     values["aggregator_options"] = {**base.get("aggregator_options", {}), **options}
     if values["mode"] == "dp":
         check_no_outer_step(explicit, options, base, given)
+    check_file_options(values["aggregator"], file_options, config_file)
     return TrainConfig.from_dict(values)
+
+
+def check_file_options(
+    aggregator: str, options: Mapping[str, Any], config_file: str | Path | None
+) -> None:
+    """Refuse, naming ``config_file``, an ``[aggregator_options]`` key the aggregator does not
+    take (a typo there, ``densty``); the values are checked with the rest of the config."""
+    if not options:
+        return
+    from mergekit_loco.methods.registry import METHODS  # torch: only for a file with options
+
+    if aggregator not in METHODS:
+        return  # the unknown aggregator is refused, by name, with the rest of the config
+    accepted = METHODS[aggregator].parameter_names()
+    unknown = [key for key in options if key not in accepted]
+    if unknown:
+        takes = ", ".join(accepted) if accepted else "no options"
+        raise ValueError(
+            f"aggregator_options in {shown(config_file)}: method {aggregator!r} does not take "
+            f"{unknown[0]!r} (it takes {takes})"
+        )
 
 
 def without_folder_actions(
