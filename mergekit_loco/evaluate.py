@@ -178,6 +178,18 @@ def loss_on(
     return evaluate_loss(model, tokens, seq_len, batch_size, None, device)
 
 
+def check_request(
+    models: Sequence[str | Path], datasets: Sequence[str], seq_len: int, val_sets: int
+) -> None:
+    """Refuse an evaluation that names no model or no dataset, or windows or sets too few."""
+    if not models or not datasets:
+        raise ValueError("give at least one model and one dataset (--data)")
+    if seq_len < 2:
+        raise ValueError(f"--seq-len must be >= 2, got {seq_len}")
+    if val_sets < 1:
+        raise ValueError(f"--val-sets must be >= 1, got {val_sets}")
+
+
 def evaluate_models(
     models: Sequence[str | Path],
     datasets: Sequence[str],
@@ -193,12 +205,7 @@ def evaluate_models(
     ``val_sets = K`` each dataset's first ``K * tokens`` held-out tokens are cut into K disjoint
     validation sets of ``tokens`` each, evaluated one by one: their spread
     (:func:`val_set_spreads`) is the noise of a ``tokens``-token evaluation."""
-    if not models or not datasets:
-        raise ValueError("give at least one model and one dataset")
-    if seq_len < 2:
-        raise ValueError(f"--seq-len must be >= 2, got {seq_len}")
-    if val_sets < 1:
-        raise ValueError(f"--val-sets must be >= 1, got {val_sets}")
+    check_request(models, datasets, seq_len, val_sets)
     device = resolve_device(device)
     results = []
     for path in models:

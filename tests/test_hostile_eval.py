@@ -205,3 +205,19 @@ def test_a_training_checkpoint_folder_points_to_its_parameters(capsys, tmp_path,
     assert_refused(code, err, "a training checkpoint", str(checkpoint / "global.safetensors"),
                    f"--tokenizer {tmp_path / 'run' / 'final'}")  # fmt: skip
     assert "convert it to safetensors" not in err
+
+
+def test_eval_of_no_dataset_is_one_error_before_any_warning(capsys, tmp_path, tokenizer):
+    """``--data ""`` (before: two garbled warnings about "the held-out tokens of  ", then the
+    error) and a tokenizer folder with no tokenizer file (before: transformers' advice to
+    install sentencepiece or tiktoken)."""
+    folder = model_folder(tmp_path / "model", tiny_llama(vocab_size=len(tokenizer)), tokenizer)
+    (tmp_path / "config.json").write_text(json.dumps({"data": "stdlib", "val_tokens": 256}))
+    code, err, _ = run_cli(capsys, "eval", folder, "--data=", *EVAL)
+    assert assert_refused(code, err) == ("error: give at least one model and one dataset (--data)")
+    empty = tmp_path / "no-tokenizer"
+    empty.mkdir()
+    (empty / "README.md").write_text("notes\n")
+    code, err, _ = run_cli(capsys, "eval", folder, "--data=stdlib", "--tokenizer", empty, *EVAL)
+    assert_refused(code, err, f"tokenizer {str(empty)!r} holds no tokenizer file (one of "
+                   "tokenizer.json, tokenizer_config.json")  # fmt: skip

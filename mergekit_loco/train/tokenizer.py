@@ -109,10 +109,19 @@ def load_or_train_tokenizer(
     return load_tokenizer(folder)
 
 
+#: The files a Hugging Face tokenizer folder is read from (one of them at least).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model",
+                   "vocab.txt")  # fmt: skip
+
+
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """A Hugging Face tokenizer from a local folder (never downloads, never runs its code:
     a folder asking for custom code, or with a file leading outside it, is refused)."""
     folder = check_hf_folder(path, "tokenizer")
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(
+            f"tokenizer {str(path)!r} holds no tokenizer file (one of {', '.join(TOKENIZER_FILES)})"
+        )
     try:
         return AutoTokenizer.from_pretrained(folder, **NO_REMOTE_CODE)
     except (OSError, ValueError) as error:
