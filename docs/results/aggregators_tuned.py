@@ -252,7 +252,8 @@ def table(folder: str) -> int:
 #: What a stage folder publishes: its tables and figures, and each finished (or failed) run's
 #: config and metrics; never checkpoints or models.
 PUBLISHED_FILES = ("results.csv", "summary.csv", "results.json", "tuned.json", "tuned.md",
-                   "claims.md", "eval_noise.json", "loss_vs_workers.png", "curves.png")  # fmt: skip
+                   "claims.md", "eval_noise.json", "data.json", "loss_vs_workers.png",
+                   "curves.png")  # fmt: skip
 PUBLISHED_RUN_FILES = (run_layout.CONFIG, run_layout.METRICS, FAILED_FILE)
 
 
