@@ -13,6 +13,24 @@ from mergekit_loco.methods.plan import Plan
 from mergekit_loco.task_vector import TaskVector
 
 
+def task_vector_list(values: object, call: str, item: str) -> list[Mapping]:
+    """``values`` (a list, or any iterable: read once) as a list; a TypeError naming ``call``
+    (``mean.merge``) for one mapping or tensor given alone, or an ``item`` that is not a
+    mapping."""
+    if isinstance(values, Mapping | torch.Tensor) or not isinstance(values, Iterable):
+        raise TypeError(
+            f"{call} takes a list of {item}s ([tau_1, tau_2, ...]), not a {type(values).__name__}"
+        )
+    values = list(values)
+    for index, value in enumerate(values, start=1):
+        if not isinstance(value, Mapping):
+            raise TypeError(
+                f"{call}: {item} {index} is a {type(value).__name__}, not a TaskVector (a "
+                "mapping of tensor name -> delta)"
+            )
+    return values
+
+
 def check_implemented(method: MergeMethod) -> None:
     """Raise ``TypeError`` naming the class unless ``method`` has a ``name`` (a non-empty str:
     messages, summaries and the registry use it) and its math: the sum contract
@@ -197,20 +215,7 @@ class MergeMethod:
         that is not floating (integer tensors are never merged): :func:`check_deltas` for
         every name."""
         check_implemented(self)
-        if isinstance(task_vectors, Mapping | torch.Tensor) or not isinstance(
-            task_vectors, Iterable
-        ):
-            raise TypeError(
-                f"{self.name}: merge takes a list of TaskVectors (merge([tau_1, tau_2, ...])), "
-                f"not a {type(task_vectors).__name__}"
-            )
-        task_vectors = list(task_vectors)
-        for index, tv in enumerate(task_vectors, start=1):
-            if not isinstance(tv, Mapping):
-                raise TypeError(
-                    f"{self.name}: task vector {index} is a {type(tv).__name__}, not a "
-                    "TaskVector (a mapping of tensor name -> delta)"
-                )
+        task_vectors = task_vector_list(task_vectors, f"{self.name}.merge", "task vector")
         if not task_vectors:
             raise ValueError(f"{self.name}: no task vectors to merge")
         self.check_tasks(len(task_vectors))

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from mergekit_loco.methods import MergeMethod
+from mergekit_loco.methods.base import task_vector_list
 from mergekit_loco.task_vector import TaskVector
 from mergekit_loco.train.aggregate import CommStats, aggregate_worker_deltas
 from mergekit_loco.train.diloco import (
@@ -112,17 +113,7 @@ class OuterOptimizer:
         task vectors, ValueError naming the tensor for a delta of another shape than its
         parameter, and FloatingPointError naming it for a delta that is not finite (then
         ``params`` are kept)."""
-        if isinstance(deltas, Mapping | torch.Tensor) or not isinstance(deltas, Iterable):
-            raise TypeError(
-                "step takes a list of worker deltas (step([tau_1, tau_2, ...])), not a "
-                f"{type(deltas).__name__}"
-            )
-        deltas = list(deltas)
-        for index, delta in enumerate(deltas, start=1):
-            if not isinstance(delta, Mapping):
-                raise TypeError(
-                    f"step: worker delta {index} is a {type(delta).__name__}, not a TaskVector"
-                )
+        deltas = task_vector_list(deltas, "OuterOptimizer.step", "worker delta")
         for index, delta in enumerate(deltas, start=1):
             for name, tensor in delta.items():
                 param = self.params.get(name)
