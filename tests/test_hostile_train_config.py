@@ -318,6 +318,19 @@ def test_a_new_aggregator_drops_the_old_ones_options_by_replace_as_by_resolve():
     assert dare.outer.aggregator_options == {"density": 0.5}
 
 
+@pytest.mark.parametrize(("start", "preset", "flags"), [
+    ("diloco", "tsv", {}), ("isoloco-ns", "diloco", {"outer_lr": 0.3}), ("diloco", "dp", {}),
+    ("ties", "isoloco", {"workers": 4}),
+])  # fmt: skip
+def test_replace_with_another_preset_brings_its_values(start, preset, flags):
+    """``replace(preset=P)`` is the config ``resolve_config`` builds for P (before: only the
+    preset's name changed, its values stayed the old preset's)."""
+    replaced = preset_config(start).replace(preset=preset, **flags)
+    assert replaced.to_dict() == resolve_config(None, preset=preset, **flags).to_dict()
+    with pytest.raises(ValueError, match="unknown preset 'nope'"):
+        preset_config(start).replace(preset="nope")
+
+
 def test_numpy_numbers_are_numbers_in_a_config():
     config = resolve_config(outer_lr=np.float32(0.5), workers=np.int64(2), inner_steps=np.int32(3))
     assert (config.outer.lr, config.run.workers, config.inner.steps) == (0.5, 2, 3)

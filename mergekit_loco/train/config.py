@@ -193,11 +193,17 @@ class TrainConfig:
 
     def replace(self, **flat: Any) -> TrainConfig:
         """A copy with some flat options changed (the folder actions kept), validated. Another
-        ``aggregator`` drops the options of the one it replaces (they belong to it, as
-        :func:`resolve_config` drops a preset's); ``aggregator_options`` given here are
+        ``preset`` brings its values, as in :func:`resolve_config` (the options given here on
+        top); another ``aggregator`` drops the options of the one it replaces (they belong to
+        it, as :func:`resolve_config` drops a preset's); ``aggregator_options`` given here are
         checked against the new aggregator."""
         actions = {name: getattr(self.checkpoint, name) for name in FOLDER_ACTIONS}
         values = {**self.to_dict(), **actions}
+        if flat.get("preset", values["preset"]) != values["preset"]:
+            check_preset(flat["preset"])
+            defaults = TrainConfig().to_dict()
+            values.update({key: defaults[key] for key in PRESET_KEYS})
+            values.update(PRESETS[flat["preset"]])
         if flat.get("aggregator", values["aggregator"]) != values["aggregator"]:
             values["aggregator_options"] = {}
         return TrainConfig.from_dict({**values, **flat})
