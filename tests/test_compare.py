@@ -708,12 +708,19 @@ def test_compare_refuses_cells_of_another_budget_in_the_folder(tmp_path, monkeyp
     assert run_cli(capsys, *doubled)[0] == 0
 
 
-def test_compare_refuses_a_folder_whose_data_changed(tmp_path, monkeypatch, capsys):
+def first_toy_sweep(tmp_path, monkeypatch, capsys) -> tuple[str, Path, list]:
+    """A finished toy sweep (diloco, R = 2, trained by ``fake_train``) in ``tmp_path/cmp``:
+    (its data folder, the folder, the compare arguments)."""
     monkeypatch.setattr(sweeping, "train", fake_train)
     data = write_domain(tmp_path / "data", lambda d, i: f"x{d} = {i}", documents=3)
     out = tmp_path / "cmp"
     args = toy_compare(data, out, "--aggregators", "diloco", "--workers", "2")
     assert run_cli(capsys, *args)[0] == 0
+    return data, out, args
+
+
+def test_compare_refuses_a_folder_whose_data_changed(tmp_path, monkeypatch, capsys):
+    data, out, args = first_toy_sweep(tmp_path, monkeypatch, capsys)
     assert json.loads((out / "data.json").read_text())["data"] == data
     # the same texts rewritten (a reinstall, another machine: new file times) still match
     for document in Path(data).iterdir():
@@ -728,11 +735,7 @@ def test_compare_refuses_a_folder_whose_data_changed(tmp_path, monkeypatch, caps
 
 def test_a_run_copied_into_a_compare_folder_is_refused(tmp_path, monkeypatch, capsys):
     """A run of another validation set copied over a cell: report and compare both refuse."""
-    monkeypatch.setattr(sweeping, "train", fake_train)
-    data = write_domain(tmp_path / "data", lambda d, i: f"x{d} = {i}", documents=3)
-    out = tmp_path / "cmp"
-    args = toy_compare(data, out, "--aggregators", "diloco", "--workers", "2")
-    assert run_cli(capsys, *args)[0] == 0
+    _, out, args = first_toy_sweep(tmp_path, monkeypatch, capsys)
     cell = out / "runs" / "diloco-R2-H2-s0"
     config = json.loads((cell / "config.json").read_text())
     (cell / "config.json").write_text(json.dumps({**config, "val_tokens": 512}))
