@@ -40,7 +40,7 @@ from mergekit_loco.merge_checks import (
 )
 from mergekit_loco.methods import MergeMethod, get_method
 from mergekit_loco.methods.base import check_implemented, promoted_dtype, sum_of
-from mergekit_loco.task_vector import is_mergeable
+from mergekit_loco.task_vector import all_finite, is_mergeable
 
 
 class MissingBaseError(ValueError):
@@ -102,15 +102,6 @@ def check_same_values(name: str, inputs: list, stand_in: CheckpointReader) -> No
                 "differs between the models; without --base none of them can be chosen: give "
                 "--base"
             )
-
-
-def all_finite(tensor: torch.Tensor) -> bool:
-    """NaN and Inf propagate into a sum, so a finite sum proves every entry finite (and is
-    several times cheaper than ``isfinite``); only an overflowing sum needs the full check.
-    8-bit floats (F8_E4M3, F8_E5M2), which torch cannot sum, are checked in float32."""
-    if tensor.dtype.itemsize == 1:
-        tensor = tensor.float()
-    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
 
 
 def at_least(compute_dtype: torch.dtype, dtype: torch.dtype) -> torch.dtype:

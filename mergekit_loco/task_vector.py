@@ -19,6 +19,15 @@ def is_mergeable(tensor: torch.Tensor) -> bool:
     return tensor.is_floating_point()
 
 
+def all_finite(tensor: torch.Tensor) -> bool:
+    """NaN and Inf propagate into a sum, so a finite sum proves every entry finite (and is
+    several times cheaper than ``isfinite``); only an overflowing sum needs the full check.
+    8-bit floats (F8_E4M3, F8_E5M2), which torch cannot sum, are checked in float32."""
+    if tensor.dtype.itemsize == 1:
+        tensor = tensor.float()
+    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
+
+
 class TaskVector(Mapping[str, torch.Tensor]):
     """Ordered ``name -> delta`` mapping with vector-space arithmetic.
 

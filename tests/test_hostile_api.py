@@ -347,3 +347,24 @@ def test_task_vector_refuses_values_that_are_not_tensors():
         ml.TaskVector({"w": torch.zeros(2), "b": [1.0]})
     with pytest.raises(TypeError, match="TaskVector takes a mapping of tensor name -> delta"):
         ml.TaskVector([torch.zeros(2)])
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("method", ml.list_methods())
+def test_every_method_refuses_a_delta_holding_nan_or_inf_naming_it(method, bad):
+    """One check for every method: no NaN spread through a sum, no LinAlgError from an SVD."""
+    good = ml.TaskVector({"w": torch.randn(6, 5, generator=torch.Generator().manual_seed(0))})
+    poisoned = torch.ones(6, 5)
+    poisoned[2, 3] = bad
+    expected = rf"{re.escape(method)}: delta 2 of tensor 'w' holds NaN or Inf"
+    with pytest.raises(ValueError, match=expected):
+        ml.get_method(method).merge([good, ml.TaskVector({"w": poisoned})])
+    with pytest.raises(ValueError, match=expected):
+        ml.get_method(method).merge_tensor("w", [good["w"], poisoned])
+
+
+def test_a_finite_delta_whose_sum_overflows_is_merged():
+    """The finiteness check sums a delta first; a float16 sum past 65504 is not a NaN entry."""
+    big = torch.full((64,), 60000.0, dtype=torch.float16)
+    merged = ml.get_method("mean").merge_tensor("w", [big, big / 2])
+    assert torch.equal(merged, torch.full((64,), 45000.0, dtype=torch.float16))

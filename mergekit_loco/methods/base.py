@@ -10,7 +10,7 @@ from typing import ClassVar
 import torch
 
 from mergekit_loco.methods.plan import Plan
-from mergekit_loco.task_vector import TaskVector
+from mergekit_loco.task_vector import TaskVector, all_finite
 
 
 def task_vector_list(values: object, call: str, item: str) -> list[Mapping]:
@@ -96,11 +96,23 @@ def check_deltas(
         ) from None
 
 
+def check_finite(method: str, name: str, deltas: Sequence[torch.Tensor]) -> None:
+    """``ValueError`` naming tensor ``name`` and the delta that holds NaN or Inf: a merge would
+    spread it into every entry it touches (a sum) or fail inside an SVD."""
+    for index, delta in enumerate(deltas, start=1):
+        if not all_finite(delta):
+            raise ValueError(
+                f"{method}: delta {index} of tensor {name!r} holds NaN or Inf; a merge of it "
+                "is not defined (check the checkpoint or the worker that produced it)"
+            )
+
+
 def checks_deltas(merge_tensor: Callable) -> Callable:
     """``merge_tensor`` behind the one validation point of every method: :func:`check_implemented`,
-    :func:`check_deltas` and :meth:`~MergeMethod.check_tasks`, then the deltas in their promoted
-    dtype (:func:`in_one_dtype`) and detached (a delta is data, not an autograd graph). Costs a
-    type and shape comparison per delta; deltas of one dtype that need no grad pass as given."""
+    :func:`check_deltas`, :meth:`~MergeMethod.check_tasks` and :func:`check_finite`, then the
+    deltas in their promoted dtype (:func:`in_one_dtype`) and detached (a delta is data, not an
+    autograd graph). Costs a type and shape comparison and a sum per delta; deltas of one dtype
+    that need no grad pass as given."""
     if getattr(merge_tensor, "checks_deltas", False):
         return merge_tensor
 
@@ -109,6 +121,7 @@ def checks_deltas(merge_tensor: Callable) -> Callable:
         check_implemented(self)
         check_deltas(self.name, name, deltas)
         self.check_tasks(len(deltas))
+        check_finite(self.name, name, deltas)
         if any(delta.requires_grad for delta in deltas):
             deltas = [delta.detach() for delta in deltas]
         return merge_tensor(self, name, in_one_dtype(deltas))
@@ -167,7 +180,8 @@ class MergeMethod:
         Every method's ``merge_tensor`` runs behind :func:`checks_deltas`: ``TypeError`` for a
         method without a name or math (:func:`check_implemented`) or deltas that are not a list
         of tensors, ``ValueError`` naming the tensor for no deltas, deltas of different shapes
-        or not floating, or per-task options of another length; deltas of mixed dtypes are
+        or not floating, per-task options of another length, or a delta holding NaN or Inf
+        (:func:`check_finite`); deltas of mixed dtypes are
         cast to their promoted dtype and deltas that require grad are detached.
         """
         terms = (self.local_term(name, delta, index) for index, delta in enumerate(deltas))
@@ -213,7 +227,8 @@ class MergeMethod:
         raises TypeError for anything but mappings, KeyError for a name not in every task
         vector, and ValueError, naming the tensor, for deltas of different shapes or a delta
         that is not floating (integer tensors are never merged): :func:`check_deltas` for
-        every name."""
+        every name. A delta holding NaN or Inf is refused (ValueError naming it) when its name
+        is merged."""
         check_implemented(self)
         task_vectors = task_vector_list(task_vectors, f"{self.name}.merge", "task vector")
         if not task_vectors:
