@@ -31,8 +31,8 @@ WEIGHT_DECAY=0.1
 # extend one aggregator's grid, add a space and its own values (absolute, as cell names print
 # them, so finished cells are reused): each word is one --outer-lr-grid option. diloco's grid
 # was extended one step down in lr (0.354 x 0.7) and momentum (0.7) during stage 4, when its
-# R = 2 cells put the best setting on both low edges, then in momentum again (0.6, then 0.5),
-# each time R = 2's best stayed on the momentum edge (docs/results/aggregators_tuned.md).
+# R = 2 cells put the best setting on both low edges, then in momentum again (0.6, then 0.5,
+# then 0.4), each time R = 2's best stayed on the momentum edge (docs/results/aggregators_tuned.md).
 OUTER_LR_GRID="${OUTER_LR_GRID:-0.5,0.71,1,1.41,2 diloco=0.248,0.35,0.497,0.7,0.987,1.4}"
 MOMENTUM_GRID="${MOMENTUM_GRID:-0.8,0.9,0.95 diloco=0.4,0.5,0.6,0.7,0.8,0.9,0.95}"
 GRIDS=()
