@@ -58,10 +58,18 @@ def run_main(capsys, *args) -> tuple[int, str, str]:
         ["merge", "--help"],
         ["report", "--help"],
         ["train", "--help"],
+        ["--version"],
     ],  # fmt: skip
 )
 def test_starting_imports_neither_torch_nor_the_trainer(args):
     assert modules_imported_by(args) == []
+
+
+def test_version_is_the_installed_distributions(capsys):
+    from importlib.metadata import version
+
+    code, out, err = run_main(capsys, "--version")
+    assert (code, out, err) == (0, f"mloco {version('mergekit_loco')}\n", "")
 
 
 def test_a_merge_does_not_import_transformers(tmp_path):

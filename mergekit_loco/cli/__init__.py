@@ -87,8 +87,21 @@ app = typer.Typer(
 )
 
 
+def print_version(asked: bool) -> None:
+    """``mloco --version``: the installed package's version, then exit (no torch loaded)."""
+    if asked:
+        from mergekit_loco import __version__
+
+        print(f"mloco {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def mloco() -> None:
+def mloco(
+    version: bool = typer.Option(
+        False, "--version", callback=print_version, is_eager=True, help="Print the version."
+    ),
+) -> None:
     """Model merging and DiLoCo training on one task-vector abstraction."""
 
 
