@@ -149,7 +149,7 @@ def test_train_force_refuses_a_run_folder_it_did_not_write(capsys, tmp_path, cor
     (out / "metrics.jsonl").write_text("{}\n")
     before = snapshot(tmp_path)
     code, err, _ = run_cli(capsys, "train", *TRAIN, f"--data={corpus}", f"--out={out}", "--force")
-    assert_refused(code, err, str(out), f"no {OWNER_MARKER}")
+    assert_refused(code, err, str(out), f"did not write (no {OWNER_MARKER})", "even with --force")
     assert snapshot(tmp_path) == before
 
 
