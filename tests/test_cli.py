@@ -191,12 +191,33 @@ def test_merge_without_base_says_what_base_is_and_the_whole_command(single_files
     assert code == 0
     assert "writing merged-iso-c.safetensors (no -o given)" in stdout
     assert (single_files / "merged-iso-c.safetensors").is_file()
-    code, _, stderr = run_main(capsys, *fixed)
-    assert code == 2
+    code, stdout, stderr = run_main(capsys, *fixed)
+    assert code == 2 and stdout == ""  # nothing announced for an output that is refused
     assert stderr == (
         "error: merged-iso-c.safetensors: output file exists; add --force to replace it, "
         "or choose another -o\n"
     )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["missing.safetensors", "a.safetensors", "--base", "base.safetensors", "-m", "ta"],
+         "error: missing.safetensors: no such file or folder\n"),
+        (["a.safetensors", "b.safetensors", "--base", "gone.safetensors", "-m", "ta"],
+         "error: gone.safetensors: no such file or folder\n"),
+        (["a.safetensors", "b.safetensors", "--base", "base.safetensors", "-m", "ties",
+          "--density", "1.5"], "error: ties: density must lie in (0, 1], got 1.5\n"),
+        (["a.safetensors", "b.safetensors", "--base", "base.safetensors", "-m", "iso-c",
+          "--option", "spectral=svd"], "error: iso-c: spectral must be one of ('exact', 'ns'), "
+         "not 'svd'\n"),
+    ],
+)  # fmt: skip
+def test_a_merge_refused_at_once_announces_no_output(single_files, capsys, args, message):
+    """The default -o is announced only once the method, its options and the inputs pass."""
+    code, stdout, stderr = run_main(capsys, "merge", *args)
+    assert (code, stdout, stderr) == (2, "", message)
+    assert list(single_files.glob("merged*")) == []
 
 
 def test_mean_without_output_names_a_folder_after_folders(tmp_path, monkeypatch, capsys):

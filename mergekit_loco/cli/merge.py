@@ -56,6 +56,14 @@ def print_summary(summary) -> None:
     output_console().print(table)
 
 
+def output_exists(output: Path) -> ValueError:
+    """The refusal of an ``-o`` that exists, without ``--force``."""
+    kind = "folder" if output.is_dir() else "file"
+    return ValueError(
+        f"{output}: output {kind} exists; add --force to replace it, or choose another -o"
+    )
+
+
 def default_output(
     models: list[Path], base: Path | None, method: str, lora_output: bool = False
 ) -> Path:
@@ -274,6 +282,8 @@ def merge(
     import torch
 
     from mergekit_loco.io import OutputExistsError
+    from mergekit_loco.io.atomic import check_output
+    from mergekit_loco.io.reader import check_exists
     from mergekit_loco.merge import merge_checkpoints
     from mergekit_loco.methods import get_method, parse_options
     from mergekit_loco.methods.registry import METHODS, unknown_method
@@ -293,13 +303,21 @@ def merge(
         models, base, method, options = from_config(
             config, models, base, method, options, lora_output
         )
-    if method not in METHODS:  # before a default -o is announced
-        raise unknown_method(method)
+    if method not in METHODS:  # before a default -o is announced, as are the method's
+        raise unknown_method(method)  # parameters and that every input is there
+    get_method(method, **given_params(options))
+    for path in (*models, *([base] if base is not None else [])):
+        check_exists(Path(path))
+    announce = output is None and not quiet
     if output is None:
         output = default_output(models, base, method, lora_output)
-        if not quiet:
-            typer.echo(f"writing {output} (no -o given)")
     check_output_parent(output, "-o")
+    try:  # the writer's own check, before the default -o is announced
+        check_output(output, force, [*models, base])
+    except OutputExistsError:
+        raise output_exists(output) from None
+    if announce:
+        typer.echo(f"writing {output} (no -o given)")
 
     try:
         if lora_output:
@@ -330,11 +348,8 @@ def merge(
             max_shard_bytes=max_shard_bytes,
             **options,
         )
-    except OutputExistsError:
-        kind = "folder" if output.is_dir() else "file"
-        raise ValueError(
-            f"{output}: output {kind} exists; add --force to replace it, or choose another -o"
-        ) from None
+    except OutputExistsError:  # made meanwhile
+        raise output_exists(output) from None
     warn_if_one_model(models, method)
     if not quiet:
         print_summary(summary)
