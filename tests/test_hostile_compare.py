@@ -68,6 +68,17 @@ def test_sweep_refuses_a_folder_holding_user_files(capsys, tmp_path, corpus):
     assert snapshot(tmp_path) == before
 
 
+def test_sweep_checks_its_data_before_creating_the_folder(capsys, tmp_path, corpus):
+    """(before: an unreadable --data left a new -o holding only the lock and our marker.)"""
+    out = tmp_path / "new"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for data, fragment in ((tmp_path / "missing", "no such file or folder"), (empty, "empty")):
+        code, err, _ = run_cli(capsys, *SWEEP, "--data", data, "-o", out)
+        assert_refused(code, err, str(data), fragment)
+        assert not out.exists()
+
+
 def test_sweep_output_may_not_overlap_the_data(capsys, corpus):
     before = snapshot(corpus)
     code, err, _ = run_cli(capsys, *SWEEP, "--data", corpus, "-o", corpus)

@@ -293,6 +293,7 @@ def run_sweep(
     models = {(c.model.name, c.data.vocab_size, c.data.seq_len) for c in configs}
     for name, vocab_size, seq_len in models:  # a cell would fail only once it has started
         check_seq_len(model_config(name, vocab_size), seq_len, name)
+    record = data_record(configs[0])  # a --data that cannot be read creates no folder
     check_results_folder(
         Path(out),
         run_layout.SWEEP_KIND,
@@ -303,7 +304,7 @@ def run_sweep(
     with results_lock(Path(out)) as lock:
         lock.acquire()
         claim_folder(Path(out), run_layout.SWEEP_KIND)
-        check_one_comparison(Path(out), cells, configs)
+        check_one_comparison(Path(out), cells, configs, record)
         console = console or Console(quiet=True)
         run_cells(sweep, cells, runs_dir, jobs, console, progress)
         return report_sweep(out, console=console, figures=figures)
@@ -314,11 +315,14 @@ DATA_FILE = "data.json"
 NEW_FOLDER_ADVICE = "the runs of one compare folder share its fixed settings; choose a new -o"
 
 
-def check_one_comparison(out: Path, cells: Sequence[Cell], configs: Sequence[TrainConfig]) -> None:
+def check_one_comparison(
+    out: Path, cells: Sequence[Cell], configs: Sequence[TrainConfig], record: dict
+) -> None:
     """Refuse to add cells to ``out`` whose fixed settings
     (:data:`~mergekit_loco.compare.runs.FIXED_SETTINGS`) differ from those of the runs it holds
     (a cell of another budget, data or validation set would be paired with them as if
-    comparable), or to run in a folder whose runs already differ; then :func:`check_same_data`."""
+    comparable), or to run in a folder whose runs already differ; then :func:`check_same_data`
+    with the sweep's data ``record`` (:func:`data_record`)."""
     runs_dir = out / run_layout.SWEEP_RUNS
     held = run_configs(runs_dir)
     conflict = setting_conflict(held)
@@ -338,21 +342,27 @@ def check_one_comparison(out: Path, cells: Sequence[Cell], configs: Sequence[Tra
             f"the folder's runs with {json.dumps(old)} (e.g. {old_name}); {NEW_FOLDER_ADVICE} "
             "folder for this comparison"
         )
-    check_same_data(out, configs[0], has_runs=bool(held))
+    check_same_data(out, record, has_runs=bool(held))
 
 
-def check_same_data(out: Path, config: TrainConfig, has_runs: bool) -> None:
-    """Refuse to add runs to ``out`` once the documents of its data spec changed (a file edited,
-    added or removed): the record in ``out/data.json`` (the spec and the sha256 of its
-    documents' names and texts, :func:`~mergekit_loco.train.documents.content_fingerprint`,
-    written by the first sweep there; a folder moved to another machine, or data reinstalled
-    unchanged, still matches) no longer matches. A folder from before the record gets one
-    (what its runs read cannot be told any more)."""
+def data_record(config: TrainConfig) -> dict:
+    """What ``out/data.json`` records of the data a sweep trains on: the spec and the sha256 of
+    its documents' names and texts
+    (:func:`~mergekit_loco.train.documents.content_fingerprint`). Reads the data: a spec that
+    names nothing readable raises here."""
     from mergekit_loco.train.documents import content_fingerprint
     from mergekit_loco.train.sources import load_documents
 
     documents = content_fingerprint(load_documents(config.data.source))
-    record = {"data": config.data.source, "documents": documents}
+    return {"data": config.data.source, "documents": documents}
+
+
+def check_same_data(out: Path, record: dict, has_runs: bool) -> None:
+    """Refuse to add runs to ``out`` once the documents of its data spec changed (a file edited,
+    added or removed): ``record`` (:func:`data_record`) no longer matches ``out/data.json``,
+    written by the first sweep there (a folder moved to another machine, or data reinstalled
+    unchanged, still matches). A folder from before the record gets one (what its runs read
+    cannot be told any more)."""
     path = out / DATA_FILE
     saved = read_json(path, "sweep data record") if path.is_file() else None
     if saved == record:
