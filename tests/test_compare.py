@@ -92,6 +92,19 @@ def test_plan_is_flop_matched():
     assert {c.run.workers for c in baseline} == {1}
 
 
+@pytest.mark.parametrize(
+    ("count", "total", "elapsed", "expected"),
+    [
+        (4, 134, 2761.0, "2761 s into the sweep; about 24.9 h left at this pace"),  # 89,732.5 s
+        (1, 3, 50.0, "50 s into the sweep; about 100 s left at this pace"),
+        (2, 5, 1800.0, "1800 s into the sweep; about 45 min left at this pace"),  # 2,700 s
+        (5, 5, 900.0, "900 s into the sweep"),
+    ],
+)  # fmt: skip
+def test_sweep_pace_by_hand(count, total, elapsed, expected):
+    assert sweeping.sweep_pace(count, total, elapsed) == expected
+
+
 def test_plan_refuses_unmatched_budgets_and_bad_splits():
     # 3 rounds of H=2 fit in 3 * 2 * 4 * 32 tokens but only 1 round of H=4 (the rest unused)
     unmatched = Sweep(["diloco"], [1], inner_steps=[2, 4], shared={**TOY, "tokens": 3 * 2 * 4 * 32})

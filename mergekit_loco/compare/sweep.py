@@ -395,9 +395,10 @@ def run_cells(
 
     def done(count: int, cell: Cell, outcome: str) -> None:
         loss = load_run(runs_dir / cell.name).val_loss
+        elapsed = time.perf_counter() - started
         console.print(
             f"[{count}/{len(todo)}] {cell.name}: {outcome}, val loss {format_number(loss)}"
-            f" ({time.perf_counter() - started:.0f} s into the sweep)"
+            f" ({sweep_pace(count, len(todo), elapsed)})"
         )
 
     if jobs == 1:
@@ -426,6 +427,18 @@ def run_cells(
         except BaseException:
             stop_workers(pool)
             raise
+
+
+def sweep_pace(count: int, total: int, elapsed: float) -> str:
+    """``N s into the sweep``, and while cells remain, the time left if the other ``total -
+    count`` cells take what the first ``count`` took on average: ``elapsed / count`` each."""
+    pace = f"{elapsed:.0f} s into the sweep"
+    if count >= total:
+        return pace
+    left = elapsed / count * (total - count)
+    shown = (f"{left:.0f} s" if left < 120 else f"{left / 60:.0f} min" if left < 7200
+             else f"{left / 3600:.1f} h")  # fmt: skip
+    return f"{pace}; about {shown} left at this pace"
 
 
 #: prctl's option that names the signal a process gets when its parent dies (linux/prctl.h).
