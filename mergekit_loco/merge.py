@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from mergekit_loco.device import resolve_device
@@ -212,6 +213,11 @@ def merge_one(
         total = term if total is None else total.add_(term)
         del term
     if summing:
+        if not all_finite(total):  # finite inputs whose differences overflow compute_dtype
+            raise ValueError(
+                f"{method.name}: the deltas of tensor {name!r} overflow {compute_dtype} (a model "
+                "and the base differ by more than it holds); try --compute-dtype float64"
+            )
         merged = method.finish(name, total, index + 1).to(compute_dtype)
     else:
         if base_input is not None:
@@ -287,11 +293,12 @@ def resolve_method(method: str | MergeMethod, params: dict) -> MergeMethod:
     return get_method(method, **params)
 
 
-def merge_progress(enabled: bool) -> Progress:
-    """A progress bar over tensors on stderr (only drawn on a terminal)."""
+def merge_progress(enabled: bool, out: Path) -> Progress:
+    """A progress bar over tensors into ``out`` on stderr (only drawn on a terminal)."""
     console = Console(stderr=True)
+    shown_out = escape(str(out)).replace("{", "{{").replace("}", "}}")  # markup, then format
     return Progress(
-        TextColumn("[bold]merging"),
+        TextColumn(f"[bold]merging into {shown_out}"),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
@@ -388,7 +395,7 @@ def merge_checkpoints(
         )
         compute_dtype = summing_dtype(compute_dtype, base is None)
         stream = prefetched_inputs(base_reader, readers, compute_dtype, dtype)
-        bar = stack.enter_context(merge_progress(progress))
+        bar = stack.enter_context(merge_progress(progress, out))
         task = bar.add_task("merge", total=len(base_reader), tensor="")
         for name, inputs in stream:
             bar.update(task, tensor=name)

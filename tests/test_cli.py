@@ -189,7 +189,7 @@ def test_merge_without_base_says_what_base_is_and_the_whole_command(single_files
     fixed = shlex.split(corrected.replace("BASE", "base.safetensors"))[1:]
     code, stdout, _ = run_main(capsys, *fixed)
     assert code == 0
-    assert "writing merged-iso-c.safetensors (no -o given)" in stdout
+    assert "merged-iso-c.safetensors (no -o given)" in stdout  # the summary's output row
     assert (single_files / "merged-iso-c.safetensors").is_file()
     code, stdout, stderr = run_main(capsys, *fixed)
     assert code == 2 and stdout == ""  # nothing announced for an output that is refused
@@ -211,19 +211,35 @@ def test_merge_without_base_says_what_base_is_and_the_whole_command(single_files
         (["a.safetensors", "b.safetensors", "--base", "base.safetensors", "-m", "iso-c",
           "--option", "spectral=svd"], "error: iso-c: spectral must be one of ('exact', 'ns'), "
          "not 'svd'\n"),
+        (["a.safetensors", "b.safetensors", "-m", "mean", "--scale", "2"], "error: --scale 2 "
+         "needs --base: without a base there is no task vector (model - base) to scale, and the "
+         "merge is the mean of the models; give --base or drop --scale\n"),
+        (["a.safetensors", "b.safetensors", "--base", "base.safetensors", "-m", "ties",
+          "--lora-output"], None),
     ],
 )  # fmt: skip
-def test_a_merge_refused_at_once_announces_no_output(single_files, capsys, args, message):
-    """The default -o is announced only once the method, its options and the inputs pass."""
+def test_a_merge_refused_announces_no_output(single_files, capsys, args, message):
+    """A default -o is named only in the summary of a merge that was written, never before an
+    error (before: ``writing merged-ta (no -o given)``, then the error)."""
     code, stdout, stderr = run_main(capsys, "merge", *args)
-    assert (code, stdout, stderr) == (2, "", message)
+    assert (code, stdout) == (2, "") and stderr.startswith("error: ")
+    assert message is None or stderr == message
     assert list(single_files.glob("merged*")) == []
+
+
+def test_an_existing_default_output_does_not_hide_another_error(single_files, capsys):
+    """The output check runs where the writer runs it, after the checks of the models."""
+    (single_files / "merged-ta.safetensors").write_bytes(b"old")
+    code, stdout, stderr = run_main(capsys, "merge", "a.safetensors", "a.safetensors", "--base",
+                                    "base.safetensors", "-m", "ta")  # fmt: skip
+    assert (code, stdout) == (2, "") and "given twice" in stderr, stderr
+    assert (single_files / "merged-ta.safetensors").read_bytes() == b"old"
 
 
 def test_mean_without_output_names_a_folder_after_folders(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     code, stdout, _ = run_main(capsys, "merge", TINY / "ft1", TINY / "ft2", "-m", "mean")
-    assert code == 0 and "writing merged-mean (no -o given)" in stdout
+    assert code == 0 and "merged-mean (no -o given)" in stdout
     assert (tmp_path / "merged-mean" / "config.json").is_file()
 
 

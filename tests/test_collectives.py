@@ -320,6 +320,28 @@ def test_tensors_without_entries_merge_across_ranks(tmp_path):
     mp.spawn(check_tensors_without_entries, args=(str(tmp_path / "store"),), nprocs=2)
 
 
+def refuse_a_nan_on_one_rank_on_every_plan(rank: int, store: str) -> None:
+    """Rank 1's last worker delta holds a NaN: every rank raises the same FloatingPointError on
+    every plan of every method, within a 20 s timeout (before: under the owner plan only the
+    tensor's owner raised, inside merge_tensor, and the other rank waited out the timeout)."""
+    init(rank, 2, store, timeout_s=20)
+    generator = torch.Generator().manual_seed(3)
+    local = [TaskVector({"w": torch.randn(12, 8, generator=generator)}) for _ in range(2)]
+    if rank == 1:
+        local[1]["w"][3, 4] = float("nan")
+    for name, params in METHODS:
+        method = get_method(name, **params)
+        for plan in available_plans(method):
+            with pytest.raises(FloatingPointError, match="non-finite pseudo-gradient for 'w'"):
+                merge_across_ranks(method, local, plan=plan)
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def test_a_nan_on_one_rank_stops_every_rank_on_every_plan(tmp_path):
+    mp.spawn(refuse_a_nan_on_one_rank_on_every_plan, args=(str(tmp_path / "store"),), nprocs=2)
+
+
 def test_int8_codec_round_trip_error_is_a_row_scale():
     codec = Codec("int8")
     values = torch.randn(1000, dtype=torch.float64) * torch.logspace(-3, 3, 1000)

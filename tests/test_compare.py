@@ -93,16 +93,20 @@ def test_plan_is_flop_matched():
 
 
 @pytest.mark.parametrize(
-    ("count", "total", "elapsed", "expected"),
+    ("count", "total", "elapsed", "jobs", "expected"),
     [
-        (4, 134, 2761.0, "2761 s into the sweep; about 24.9 h left at this pace"),  # 89,732.5 s
-        (1, 3, 50.0, "50 s into the sweep; about 100 s left at this pace"),
-        (2, 5, 1800.0, "1800 s into the sweep; about 45 min left at this pace"),  # 2,700 s
-        (5, 5, 900.0, "900 s into the sweep"),
+        (4, 134, 2761.0, 2, "2761 s into the sweep; about 24.9 h left at this pace"),  # 89,732.5 s
+        (1, 3, 50.0, 1, "50 s into the sweep; about 100 s left at this pace"),
+        (2, 5, 1800.0, 1, "1800 s into the sweep; about 45 min left at this pace"),  # 2,700 s
+        (1, 2, 59.8, 1, "60 s into the sweep; about 60 s left at this pace"),
+        (1, 2, 119.7, 1, "120 s into the sweep; about 2 min left at this pace"),  # not "120 s"
+        (1, 2, 7190.0, 1, "7190 s into the sweep; about 2.0 h left at this pace"),  # not 120 min
+        (1, 134, 1700.0, 2, "1700 s into the sweep"),  # the first of 2 jobs: no pace yet
+        (5, 5, 900.0, 1, "900 s into the sweep"),
     ],
 )  # fmt: skip
-def test_sweep_pace_by_hand(count, total, elapsed, expected):
-    assert sweeping.sweep_pace(count, total, elapsed) == expected
+def test_sweep_pace_by_hand(count, total, elapsed, jobs, expected):
+    assert sweeping.sweep_pace(count, total, elapsed, jobs) == expected
 
 
 def test_plan_refuses_unmatched_budgets_and_bad_splits():

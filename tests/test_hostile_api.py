@@ -363,6 +363,13 @@ def test_every_method_refuses_a_delta_holding_nan_or_inf_naming_it(method, bad):
         ml.get_method(method).merge_tensor("w", [good["w"], poisoned])
 
 
+@pytest.mark.parametrize("method", [m for m in ml.list_methods() if m != "ties"])
+def test_meta_deltas_have_no_values_to_check(method):
+    """(ties reads values to trim, a k-th magnitude, so it never took meta tensors.)"""
+    merged = ml.get_method(method).merge_tensor("w", [torch.empty(6, 5, device="meta")] * 2)
+    assert merged.shape == (6, 5) and merged.device.type == "meta"
+
+
 def test_a_finite_delta_whose_sum_overflows_is_merged():
     """The finiteness check sums a delta first; a float16 sum past 65504 is not a NaN entry."""
     big = torch.full((64,), 60000.0, dtype=torch.float16)

@@ -369,3 +369,24 @@ def test_existing_output_refused_and_failed_force_keeps_it(tmp_path):
     assert out.read_bytes() == b"previous merge"
     merge_checkpoints([same], base, "ta", out, force=True, progress=False)
     assert torch.equal(load_state_dict(out)["a.weight"], BASE["a.weight"])
+
+
+@pytest.mark.parametrize(
+    ("method", "message"),
+    [
+        ("iso-c", r"iso-c: the deltas of tensor 'w' overflow torch.float32 .*--compute-dtype "
+                  "float64"),
+        ("ties", r"ties: delta 1 of tensor 'w' holds NaN or Inf \(a damaged checkpoint, a "
+                 r"diverged worker, or a difference beyond its dtype's range\)"),
+    ],
+)  # fmt: skip
+def test_finite_models_whose_differences_overflow_are_named(tmp_path, method, message):
+    """3e38 - (-3e38) is beyond float32 (before: iso-c failed inside LAPACK, naming nothing)."""
+    base = write_state_dict({"w": torch.full((4, 3), -3e38)}, tmp_path / "base.safetensors")
+    models = [
+        write_state_dict({"w": torch.full((4, 3), 3e38)}, tmp_path / f"m{i}.safetensors")
+        for i in range(2)
+    ]
+    with pytest.raises(ValueError, match=message):
+        merge_checkpoints(models, base, method, tmp_path / "out.safetensors")
+    assert not (tmp_path / "out.safetensors").exists()

@@ -528,7 +528,7 @@ def test_lora_output_default_is_a_folder(tiny_base, tmp_path, capsys, monkeypatc
     code, out, err = run_main(capsys, "merge", folder, "--base", tiny_base, "-m", "ta",
                               "--lora-output")  # fmt: skip
     assert code in (0, None), err
-    assert "writing merged-ta (no -o given)" in out
+    assert "wrote the merged LoRA adapter to merged-ta (no -o given)" in out
     assert (tmp_path / "merged-ta" / "adapter_config.json").is_file()
 
 

@@ -44,7 +44,8 @@ def parse_size(value: str) -> int:
     return size
 
 
-def print_summary(summary) -> None:
+def print_summary(summary, chosen: str = "") -> None:
+    """The merge's summary table; ``chosen`` follows the output's name (`` (no -o given)``)."""
     table = Table(title=f"merged {summary.models} models with {summary.method}", show_header=False)
     table.add_column(style="bold")
     table.add_column()
@@ -52,16 +53,8 @@ def print_summary(summary) -> None:
     table.add_row("tensors copied", str(summary.tensors_copied))
     table.add_row("time", f"{summary.seconds:.2f} s")
     table.add_row("peak memory (RSS)", format_bytes(summary.peak_rss_bytes))
-    table.add_row("output", str(summary.out))
+    table.add_row("output", f"{summary.out}{chosen}")
     output_console().print(table)
-
-
-def output_exists(output: Path) -> ValueError:
-    """The refusal of an ``-o`` that exists, without ``--force``."""
-    kind = "folder" if output.is_dir() else "file"
-    return ValueError(
-        f"{output}: output {kind} exists; add --force to replace it, or choose another -o"
-    )
 
 
 def default_output(
@@ -282,8 +275,6 @@ def merge(
     import torch
 
     from mergekit_loco.io import OutputExistsError
-    from mergekit_loco.io.atomic import check_output
-    from mergekit_loco.io.reader import check_exists
     from mergekit_loco.merge import merge_checkpoints
     from mergekit_loco.methods import get_method, parse_options
     from mergekit_loco.methods.registry import METHODS, unknown_method
@@ -303,21 +294,14 @@ def merge(
         models, base, method, options = from_config(
             config, models, base, method, options, lora_output
         )
-    if method not in METHODS:  # before a default -o is announced, as are the method's
-        raise unknown_method(method)  # parameters and that every input is there
-    get_method(method, **given_params(options))
-    for path in (*models, *([base] if base is not None else [])):
-        check_exists(Path(path))
-    announce = output is None and not quiet
+    if method not in METHODS:  # before a default -o is named after it
+        raise unknown_method(method)
+    # a default -o is named once the merge is written (the progress bar shows it meanwhile),
+    # never before an error that writes nothing
+    chosen = "" if output is not None else " (no -o given)"
     if output is None:
         output = default_output(models, base, method, lora_output)
     check_output_parent(output, "-o")
-    try:  # the writer's own check, before the default -o is announced
-        check_output(output, force, [*models, base])
-    except OutputExistsError:
-        raise output_exists(output) from None
-    if announce:
-        typer.echo(f"writing {output} (no -o given)")
 
     try:
         if lora_output:
@@ -335,7 +319,7 @@ def merge(
             )
             warn_if_one_model(models, method)
             if not quiet:
-                output_console().print(f"wrote the merged LoRA adapter to {written}")
+                output_console().print(f"wrote the merged LoRA adapter to {written}{chosen}")
             return
         summary = merge_checkpoints(
             models,
@@ -348,8 +332,11 @@ def merge(
             max_shard_bytes=max_shard_bytes,
             **options,
         )
-    except OutputExistsError:  # made meanwhile
-        raise output_exists(output) from None
+    except OutputExistsError:
+        kind = "folder" if output.is_dir() else "file"
+        raise ValueError(
+            f"{output}: output {kind} exists; add --force to replace it, or choose another -o"
+        ) from None
     warn_if_one_model(models, method)
     if not quiet:
-        print_summary(summary)
+        print_summary(summary, chosen)

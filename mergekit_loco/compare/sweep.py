@@ -293,7 +293,6 @@ def run_sweep(
     models = {(c.model.name, c.data.vocab_size, c.data.seq_len) for c in configs}
     for name, vocab_size, seq_len in models:  # a cell would fail only once it has started
         check_seq_len(model_config(name, vocab_size), seq_len, name)
-    record = data_record(configs[0])  # a --data that cannot be read creates no folder
     check_results_folder(
         Path(out),
         run_layout.SWEEP_KIND,
@@ -301,6 +300,7 @@ def run_sweep(
         (run_layout.SWEEP_RUNS,),
         has_force=False,  # --force is merge mode's
     )
+    record = data_record(configs[0])  # a --data that cannot be read creates no folder
     with results_lock(Path(out)) as lock:
         lock.acquire()
         claim_folder(Path(out), run_layout.SWEEP_KIND)
@@ -398,7 +398,7 @@ def run_cells(
         elapsed = time.perf_counter() - started
         console.print(
             f"[{count}/{len(todo)}] {cell.name}: {outcome}, val loss {format_number(loss)}"
-            f" ({sweep_pace(count, len(todo), elapsed)})"
+            f" ({sweep_pace(count, len(todo), elapsed, jobs)})"
         )
 
     if jobs == 1:
@@ -429,15 +429,20 @@ def run_cells(
             raise
 
 
-def sweep_pace(count: int, total: int, elapsed: float) -> str:
+def sweep_pace(count: int, total: int, elapsed: float, jobs: int = 1) -> str:
     """``N s into the sweep``, and while cells remain, the time left if the other ``total -
-    count`` cells take what the first ``count`` took on average: ``elapsed / count`` each."""
+    count`` cells take what the first ``count`` took on average: ``elapsed / count`` each
+    (shown once ``jobs`` cells have ended: the first ones to end ran beside the others)."""
     pace = f"{elapsed:.0f} s into the sweep"
-    if count >= total:
+    if count >= total or count < jobs:
         return pace
     left = elapsed / count * (total - count)
-    shown = (f"{left:.0f} s" if left < 120 else f"{left / 60:.0f} min" if left < 7200
-             else f"{left / 3600:.1f} h")  # fmt: skip
+    if round(left) < 120:
+        shown = f"{left:.0f} s"
+    elif round(left / 60) < 120:
+        shown = f"{left / 60:.0f} min"
+    else:
+        shown = f"{left / 3600:.1f} h"
     return f"{pace}; about {shown} left at this pace"
 
 

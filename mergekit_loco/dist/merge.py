@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from mergekit_loco.dist.checks import check_same_layout, verify_identical
+from mergekit_loco.dist.checks import check_finite_deltas, check_same_layout, verify_identical
 from mergekit_loco.dist.codec import Codec
 from mergekit_loco.dist.transport import CommStats, Transport, assign_owners
 from mergekit_loco.methods import MergeMethod
@@ -187,7 +187,10 @@ def merge_across_ranks(
     compression: None (exact), ``"bf16"`` or ``"int8"`` (per-row scales) for what travels.
     plan: ``"auto"`` (fewest bytes by :func:`plan_bytes`; compressed, not ``owner`` where
     another plan exists) or one of :func:`available_plans`. With ``MLOCO_DEBUG_SYNC=1`` the
-    layouts are compared first and the results' checksums after.
+    layouts are compared first and the results' checksums after. A worker delta holding NaN or
+    Inf on any rank raises ``FloatingPointError`` naming the tensor on every rank, before any
+    merge (:func:`~mergekit_loco.dist.checks.check_finite_deltas`: one all-reduce of 4 bytes a
+    tensor, counted in ``collectives``, not in ``bytes_sent``).
     """
     if not local_deltas:
         raise ValueError(f"{method.name}: no worker deltas on this rank")
@@ -197,6 +200,7 @@ def merge_across_ranks(
         raise ValueError(f"{method.name}: plan must be 'auto' or one of {list(plans)}, not {plan!r}")
     world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
     method.check_tasks(len(local_deltas) * world)
+    flag_seconds = check_finite_deltas(local_deltas, group)  # every rank raises alike
     if world == 1:
         return method.merge(local_deltas), CommStats(plan="local")
     names = list(local_deltas[0])
@@ -212,6 +216,7 @@ def merge_across_ranks(
         plan_bytes(plan, method, layout, workers_per_rank, world, compression)
     naive = plan_bytes("gather", method, layout, workers_per_rank, world)
     stats = CommStats(bytes_naive=int(naive) // world, plan=plan)
+    stats.collectives, stats.comm_seconds = 1, flag_seconds  # the finite flags' all-reduce
     device = local_deltas[0][names[0]].device if names else "cpu"
     comm = Transport(group, compression, stats, device)
     debug = os.environ.get(DEBUG_SYNC_ENV, "0") not in ("", "0")

@@ -327,13 +327,6 @@ class CheckpointReader:
         return f"CheckpointReader({str(self.path)!r}, {len(self)} tensors)"
 
 
-def check_exists(path: Path) -> None:
-    """Raise :class:`CheckpointError` unless ``path`` is there (a dangling symlink is, and is
-    refused when opened)."""
-    if not (path.exists() or path.is_symlink()):
-        raise CheckpointError(f"{shown(path)}: no such file or folder")
-
-
 def open_checkpoint(path: str | Path) -> CheckpointReader:
     """Open a ``.safetensors`` file, a folder with ``model.safetensors``, or a folder (or index
     file) with a sharded ``model.safetensors.index.json``. Headers are checked now; tensor data
@@ -363,7 +356,8 @@ def open_checkpoint(path: str | Path) -> CheckpointReader:
         raise CheckpointError(
             f"{shown(path)}: no {SINGLE_FILE} or {INDEX_FILE} in this folder{hint}"
         )
-    check_exists(path)
+    if not (path.exists() or path.is_symlink()):
+        raise CheckpointError(f"{shown(path)}: no such file or folder")
     folder = model_folder_of(path)
     if path.suffix in PICKLE_SUFFIXES:
         instead = f", or give its model folder {shown(folder)} instead" if folder else ""

@@ -98,12 +98,14 @@ def check_deltas(
 
 def check_finite(method: str, name: str, deltas: Sequence[torch.Tensor]) -> None:
     """``ValueError`` naming tensor ``name`` and the delta that holds NaN or Inf: a merge would
-    spread it into every entry it touches (a sum) or fail inside an SVD."""
+    spread it into every entry it touches (a sum) or fail inside an SVD. Meta tensors (no
+    values) pass."""
     for index, delta in enumerate(deltas, start=1):
-        if not all_finite(delta):
+        if delta.device.type != "meta" and not all_finite(delta):
             raise ValueError(
-                f"{method}: delta {index} of tensor {name!r} holds NaN or Inf; a merge of it "
-                "is not defined (check the checkpoint or the worker that produced it)"
+                f"{method}: delta {index} of tensor {name!r} holds NaN or Inf (a damaged "
+                "checkpoint, a diverged worker, or a difference beyond its dtype's range); a "
+                "merge of it is not defined"
             )
 
 

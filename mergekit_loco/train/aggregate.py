@@ -7,13 +7,11 @@ fresh DARE masks each round) is the method's own :meth:`~MergeMethod.as_aggregat
 
 from __future__ import annotations
 
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
-import torch
 import torch.distributed as dist
 
-from mergekit_loco.dist import CommStats, guarded, merge_across_ranks
+from mergekit_loco.dist import CommStats, merge_across_ranks
 from mergekit_loco.methods import MergeMethod
 from mergekit_loco.task_vector import TaskVector
 
@@ -24,42 +22,6 @@ def _world_size(group) -> int:
     if not dist.is_available() or not dist.is_initialized():
         return 1
     return dist.get_world_size(group)
-
-
-def check_finite_deltas(local_deltas: Sequence[Mapping[str, torch.Tensor]], group=None) -> float:
-    """Raise ``FloatingPointError`` naming the first tensor (in the first delta's order) that
-    holds NaN or Inf in a worker delta of any rank of ``group``, before any aggregation: a
-    method would fail on it (an SVD) or spread it into the pseudo-gradient. With several ranks
-    one all-reduce (MAX) of a flag per tensor makes every rank raise alike; returns the seconds
-    spent in it (a control message of 4 bytes per tensor, like the layout checks not counted in
-    ``CommStats.bytes_sent``)."""
-    names = list(local_deltas[0])
-    if not names:
-        return 0.0
-    device = local_deltas[0][names[0]].device
-    flags = [
-        torch.stack([torch.isfinite(d[name]).all() for d in local_deltas if name in d])
-        .all()
-        .logical_not()
-        .to(device)
-        for name in names
-    ]
-    non_finite = torch.stack(flags).to(torch.int32)
-    seconds = 0.0
-    if _world_size(group) > 1:
-        who = f"rank {dist.get_rank(group)}"
-        label = "outer step collective all_reduce (non-finite flags)"
-        started = time.perf_counter()
-        guarded(who, label, dist.all_reduce, non_finite, dist.ReduceOp.MAX, group)
-        seconds = time.perf_counter() - started
-    flagged = non_finite.tolist()
-    if any(flagged):
-        name = names[flagged.index(1)]
-        raise FloatingPointError(
-            f"non-finite pseudo-gradient for {name!r} (a worker delta holds NaN or Inf); "
-            "params kept"
-        )
-    return seconds
 
 
 def aggregate_worker_deltas(
@@ -74,15 +36,9 @@ def aggregate_worker_deltas(
     ``tau_i = theta_i - theta`` (this rank's plus every other rank's of ``group``), and what the
     call cost this rank. ``round_index`` (0-based outer step) seeds per-round randomness.
     Raises ``FloatingPointError`` naming the tensor, on every rank, before aggregating a worker
-    delta that is not finite (:func:`check_finite_deltas`)."""
+    delta that is not finite (:func:`~mergekit_loco.dist.checks.check_finite_deltas`, run by
+    :func:`~mergekit_loco.dist.merge_across_ranks`)."""
     if not local_deltas:
         raise ValueError("outer step needs at least one worker delta on every rank")
-    flag_seconds = check_finite_deltas(local_deltas, group)
     aggregator = method.as_aggregator(round_index, len(local_deltas) * _world_size(group))
-    merged, stats = merge_across_ranks(
-        aggregator, local_deltas, group=group, compression=compression
-    )
-    if _world_size(group) > 1:
-        stats.collectives += 1
-        stats.comm_seconds += flag_seconds
-    return merged, stats
+    return merge_across_ranks(aggregator, local_deltas, group=group, compression=compression)
