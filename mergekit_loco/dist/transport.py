@@ -31,8 +31,8 @@ class CommStats:
     ``(P-1) V N`` bytes. comm_seconds: wall time inside collectives (waiting for slower ranks
     included). spectral_seconds: wall time in SVD / polar / Newton-Schulz (the whole per-tensor
     merge under the ``owner`` plan). collectives: calls issued. Control messages (layout
-    checks, :func:`merge_across_ranks`' non-finite flags: 4 bytes a tensor) count in ``collectives`` and
-    ``comm_seconds``, not in ``bytes_sent``.
+    checks, :func:`merge_across_ranks`' non-finite flags: 4 bytes a tensor) count in
+    ``collectives`` and ``comm_seconds``, not in ``bytes_sent``.
     """
 
     bytes_sent: int = 0

@@ -183,8 +183,8 @@ class MergeMethod:
         method without a name or math (:func:`check_implemented`) or deltas that are not a list
         of tensors, ``ValueError`` naming the tensor for no deltas, deltas of different shapes
         or not floating, per-task options of another length, or a delta holding NaN or Inf
-        (:func:`check_finite`); deltas of mixed dtypes are
-        cast to their promoted dtype and deltas that require grad are detached.
+        (:func:`check_finite`); deltas of mixed dtypes are cast to their promoted dtype and
+        deltas that require grad are detached.
         """
         terms = (self.local_term(name, delta, index) for index, delta in enumerate(deltas))
         return self.finish(name, sum_of(terms), len(deltas)).to(deltas[0].dtype)
