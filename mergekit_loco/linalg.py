@@ -42,9 +42,11 @@ def polar_factor(matrix: torch.Tensor) -> torch.Tensor:
 def newton_schulz(matrix: torch.Tensor, steps: int = NS_STEPS) -> torch.Tensor:
     """Approximate ``U V^T`` of ``matrix`` by a quintic Newton-Schulz iteration (no SVD).
 
-    ``X_0 = M / ||M||_F``; ``X <- a X + (b A + c A^2) X`` with ``A = X X^T`` (X kept wide).
-    Every singular value of at least 0.0015 ||M||_F lands in [0.68, 1.20], as in Muon (smaller
-    ones grow by at most a^5 ~ 485); it runs in float32 at least.
+    ``X_0 = M / (||M||_F + 1e-7)`` (Muon's and the IsoLoCo authors' guard: NS(0) = 0);
+    ``X <- a X + (b A + c A^2) X`` with ``A = X X^T`` (X kept wide). Every singular value of
+    at least 0.0015 ||M||_F lands in [0.68, 1.20], as in Muon (smaller ones grow by at most
+    a^5 ~ 485); it runs in float32 at least. The guard makes ``NS(c M) = NS(M)`` hold only to
+    a relative ~1e-7 / ||c M||_F: negligible unless ``||M||_F`` is near 1e-7 or below.
     """
     a, b, c = NS_COEFFICIENTS
     compute = torch.promote_types(matrix.dtype, torch.float32)

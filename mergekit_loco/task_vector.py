@@ -6,6 +6,7 @@ Both are the same object here, and every merge method consumes a list of them.
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -34,10 +35,10 @@ class TaskVector(Mapping[str, torch.Tensor]):
     ``TaskVector(mapping)`` wraps any name -> tensor mapping (no copy of the data). A delta is
     data, not an autograd graph: each tensor is held detached (``delta.detach()``, the same
     memory), so a task vector of ``model.named_parameters()`` needs no grad and keeps no graph.
-    Arithmetic returns new TaskVectors: ``a + b``, ``a - b``, ``c * a``, ``-a`` (``c`` a real
-    number). Keys and each tensor's shape must match exactly (KeyError / ValueError naming the
-    tensor; nothing is broadcast). Raises TypeError, naming the key, for a value that is not a
-    tensor.
+    Arithmetic returns new TaskVectors: ``a + b``, ``a - b``, ``c * a``, ``-a`` (``c`` a finite
+    real number, numpy's too; ValueError for NaN or Inf). Keys and each tensor's shape must
+    match exactly (KeyError / ValueError naming the tensor; nothing is broadcast). Raises
+    TypeError, naming the key, for a value that is not a tensor.
 
     Equality is identity, as for ``torch.nn.Module``: ``a == b`` only if ``a is b`` (comparing
     tensors has no single truth value), so task vectors hash, and ``a in [a, b]`` or a dict
@@ -46,6 +47,7 @@ class TaskVector(Mapping[str, torch.Tensor]):
 
     __eq__ = object.__eq__
     __hash__ = object.__hash__
+    __array_ufunc__ = None  # numpy scalar * task vector: numpy defers to __rmul__
 
     def __init__(self, deltas: Mapping[str, torch.Tensor]):
         if not isinstance(deltas, Mapping):
@@ -71,8 +73,10 @@ class TaskVector(Mapping[str, torch.Tensor]):
         base: Mapping[str, torch.Tensor],
         dtype: torch.dtype = torch.float32,
     ) -> TaskVector:
-        """``tau = finetuned - base`` over the floating tensors of ``base``, computed in
-        ``dtype`` (a floating ``torch.dtype``). Raises TypeError for a ``dtype`` that is not a
+        """``tau = finetuned - base`` over the floating tensors of ``base``, returned in ``dtype``
+        (a floating ``torch.dtype``). The difference is taken in the widest of the two tensors'
+        dtypes, ``dtype`` and float32, then rounded once to ``dtype``: a small fine-tuning step
+        survives ``dtype=torch.bfloat16``. Raises TypeError for a ``dtype`` that is not a
         torch.dtype or a value that is not a tensor (naming it), ValueError for an integer
         ``dtype`` or another shape, KeyError for a tensor of the base missing from
         ``finetuned``."""
@@ -97,7 +101,9 @@ class TaskVector(Mapping[str, torch.Tensor]):
                 continue
             tuned = finetuned[name]
             check_same_shape(name, tuned, base_tensor, "the base's")
-            deltas[name] = tuned.to(dtype) - base_tensor.to(dtype)
+            compute = torch.promote_types(tuned.dtype, base_tensor.dtype)
+            compute = torch.promote_types(torch.promote_types(compute, dtype), torch.float32)
+            deltas[name] = (tuned.to(compute) - base_tensor.to(compute)).to(dtype)
         return cls(deltas)
 
     @classmethod
@@ -149,6 +155,7 @@ class TaskVector(Mapping[str, torch.Tensor]):
     def __mul__(self, scalar: float) -> TaskVector:
         if not isinstance(scalar, numbers.Real) or isinstance(scalar, bool):
             return NotImplemented
+        check_finite_scalar("TaskVector *", scalar)
         return TaskVector({name: delta * scalar for name, delta in self._deltas.items()})
 
     __rmul__ = __mul__
@@ -168,8 +175,9 @@ class TaskVector(Mapping[str, torch.Tensor]):
         """``theta = base + scale * tau`` in float32 at least (float64 if the base or the delta is),
         returned in the base's dtype. Base tensors without a delta (integer buffers) are copied
         unchanged. KeyError for a delta whose name the base lacks, ValueError for a delta of
-        another shape than its base tensor (both naming the tensor); TypeError for a base that
-        is not a mapping or a ``scale`` that is not a real number."""
+        another shape than its base tensor (both naming the tensor) or a ``scale`` that is NaN
+        or Inf; TypeError for a base that is not a mapping or a ``scale`` that is not a real
+        number."""
         if not isinstance(base, Mapping):
             raise TypeError(
                 f"apply_to: base must map tensor names to tensors (a state_dict), not a "
@@ -177,6 +185,7 @@ class TaskVector(Mapping[str, torch.Tensor]):
             )
         if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
             raise TypeError(f"apply_to: scale must be a real number, not {scale!r}")
+        check_finite_scalar("apply_to: scale", scale)
         unknown = [name for name in self._deltas if name not in base]
         if unknown:
             raise KeyError(f"apply_to: the base has no tensor {unknown[0]!r} (a delta names it)")
@@ -194,6 +203,17 @@ class TaskVector(Mapping[str, torch.Tensor]):
                 base_tensor.dtype
             )
         return merged
+
+
+def check_finite_scalar(what: str, value: numbers.Real) -> None:
+    """ValueError naming ``what`` unless ``value`` is finite (NaN or Inf would fill every
+    delta with it)."""
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int beyond float's range
+        finite = False
+    if not finite:
+        raise ValueError(f"{what} {value!r}: the scalar must be finite")
 
 
 def check_same_shape(name: str, delta: torch.Tensor, other: torch.Tensor, whose: str) -> None:

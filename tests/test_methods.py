@@ -80,7 +80,7 @@ def reference_ties(deltas, density=0.2):
 def reference_band(values: np.ndarray, density: float, gamma: float) -> np.ndarray:
     """Breadcrumbs: sort by |x| (stable), drop n_bottom smallest and n_top largest."""
     n = values.size
-    n_keep = int(density * n)
+    n_keep = min(n, max(1, int(density * n)))
     n_top = int(gamma * n)
     n_bottom = n - n_keep - n_top
     if n_bottom < 0:
@@ -393,6 +393,18 @@ def test_breadcrumbs_band_by_hand():
     # density + gamma > 1 (n_top = 2 would leave n_bottom = -1): the band is clipped to
     # n_top = n - n_keep = 1, so the result is the same
     assert merge_lists("breadcrumbs", [row], density=0.95, gamma=0.2) == row[:-1] + [0.0]
+
+
+def test_breadcrumbs_keeps_the_largest_entry_of_a_tensor_smaller_than_one_over_density():
+    # int(0.9 * 1) = 0 would drop a 0-d scale entirely: the mean of 2 and 4 is 3, not 0
+    scalars = [torch.tensor(2.0, dtype=torch.float64), torch.tensor(4.0, dtype=torch.float64)]
+    assert get_method("breadcrumbs").merge_tensor("logit_scale", scalars).item() == 3.0
+    # n = 5, density 0.1: keep 1 (the largest, as TIES does), gamma 0.05 drops int(0.25) = 0
+    row = [0.5, -3.0, 1.0, 0.25, 2.0]
+    expected = [0.0, -3.0, 0.0, 0.0, 0.0]
+    assert merge_lists("breadcrumbs", [row], density=0.1, gamma=0.05) == expected
+    # n = 5, density 0.1, gamma 0.2: the outlier -3 goes, the band keeps the next, 2.0
+    assert merge_lists("breadcrumbs", [row], density=0.1, gamma=0.2) == [0, 0, 0, 0, 2.0]
 
 
 def test_breadcrumbs_keeps_exactly_int_density_n_entries_even_with_ties():

@@ -248,6 +248,30 @@ def test_state_dict_round_trip_mid_run(aggregator, options):
         assert torch.equal(params[name], resumed_params[name])
 
 
+def test_a_loaded_state_keeps_this_optimizers_own_settings():
+    """Only the momentum buffers and step count load: a state saved with lr 0.7 (or edited
+    to lr -5, momentum 1.5, which the constructor refuses) leaves lr 0.1, momentum 0.5,
+    plain momentum in force. One step from the loaded buffer b (delta d, g = -d):
+    buf = 0.5 b + g; theta -= 0.1 buf."""
+    saver = OuterOptimizer({"w": torch.zeros(2, dtype=torch.float64)}, lr=0.7, momentum=0.9,
+                           nesterov=True)  # fmt: skip
+    saver.step([TaskVector({"w": torch.tensor([1.0, -2.0], dtype=torch.float64)})])
+    state = saver.state_dict()
+    buffer = state["sgd"]["state"][0]["momentum_buffer"].clone()  # = g = [-1, 2]
+    state["sgd"]["param_groups"][0].update(lr=-5.0, momentum=1.5)
+    params = {"w": torch.zeros(2, dtype=torch.float64)}
+    outer = OuterOptimizer(params, lr=0.1, momentum=0.5, nesterov=False)
+    outer.load_state_dict(state)
+    group = outer.sgd.param_groups[0]
+    assert (group["lr"], group["momentum"], group["nesterov"]) == (0.1, 0.5, False)
+    assert outer.steps_taken == 1
+    delta = torch.tensor([0.5, 0.25], dtype=torch.float64)
+    outer.step([TaskVector({"w": delta})])
+    expected_buffer = 0.5 * buffer - delta
+    torch.testing.assert_close(outer.momentum_buffers["w"], expected_buffer, rtol=0, atol=1e-15)
+    torch.testing.assert_close(params["w"], -0.1 * expected_buffer, rtol=0, atol=1e-15)
+
+
 def test_non_finite_pseudo_gradient_raises():
     params = {"w": torch.zeros(3, 3, dtype=torch.float64)}
     bad = TaskVector({"w": torch.full((3, 3), float("nan"), dtype=torch.float64)})

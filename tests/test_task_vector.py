@@ -103,6 +103,18 @@ def test_from_state_dicts_computes_in_the_requested_dtype():
     assert tv["w"].dtype == torch.float32 and tv["w"].item() == 2.0**-7
 
 
+def test_from_state_dicts_rounds_the_difference_once_to_a_narrow_dtype():
+    # 0.02 + 1e-4 and 0.02 in bfloat16 are the same number: cast first, the step is lost.
+    base = {"w": torch.tensor([0.02, -0.5], dtype=torch.float32)}
+    tuned = {"w": torch.tensor([0.02 + 1e-4, -0.5 + 3e-3], dtype=torch.float32)}
+    tv = TaskVector.from_state_dicts(tuned, base, dtype=torch.bfloat16)
+    exact = (tuned["w"].double() - base["w"].double()).to(torch.bfloat16)
+    assert tv["w"].dtype == torch.bfloat16 and torch.equal(tv["w"], exact)
+    assert tv["w"][0].item() != 0.0
+    wide = TaskVector.from_state_dicts(tuned, base, dtype=torch.float64)
+    assert torch.equal(wide["w"], tuned["w"].double() - base["w"].double())
+
+
 def test_from_state_dicts_names_shape_mismatch():
     with pytest.raises(ValueError, match=r"'layer\.w'.*\(2, 3\).*\(3, 2\)"):
         TaskVector.from_state_dicts({"layer.w": torch.zeros(2, 3)}, {"layer.w": torch.zeros(3, 2)})
@@ -208,5 +220,19 @@ def test_apply_to_takes_any_real_scale_and_names_what_it_refuses():
     for scale in ("1", None, True):
         with pytest.raises(TypeError, match="apply_to: scale must be a real number"):
             tv.apply_to(base, scale=scale)
+    for scale in (float("nan"), float("inf"), -np.inf, 10**400):
+        with pytest.raises(ValueError, match="apply_to: scale .* must be finite"):
+            tv.apply_to(base, scale=scale)
+
+
+def test_scalar_times_task_vector_takes_numpy_scalars_on_either_side_and_refuses_nan():
+    tv = vector(w=[1.0, -2.0])
+    for product in (np.float64(2) * tv, tv * np.float32(2), np.int64(2) * tv, 2 * tv):
+        assert isinstance(product, TaskVector) and product["w"].tolist() == [2.0, -4.0]
+    for scalar in (float("nan"), float("inf"), np.float64("-inf")):
+        with pytest.raises(ValueError, match="must be finite"):
+            scalar * tv
+        with pytest.raises(ValueError, match="must be finite"):
+            tv * scalar
     with pytest.raises(TypeError, match="apply_to: base must map tensor names to tensors"):
         tv.apply_to([torch.zeros(2)])

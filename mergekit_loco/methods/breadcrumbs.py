@@ -18,12 +18,13 @@ from mergekit_loco.methods.base import (
 def keep_magnitude_band(delta: torch.Tensor, density: float, gamma: float) -> torch.Tensor:
     """Zero the top ``gamma`` fraction by magnitude and the smallest, keeping ``density`` of n.
 
-    With n entries sorted by ``|x|``: ``n_top = int(gamma n)`` largest and
-    ``n_bottom = n - int(density n) - n_top`` smallest are dropped (if ``n_bottom < 0`` the band
-    is moved up: ``n_bottom = 0``, ``n_top = n - int(density n)``).
+    With n entries sorted by ``|x|`` and ``n_keep = max(1, int(density n))`` (a tensor smaller
+    than ``1 / density``, such as a 0-d scale, keeps its largest entry instead of none):
+    ``n_top = int(gamma n)`` largest and ``n_bottom = n - n_keep - n_top`` smallest are dropped
+    (if ``n_bottom < 0`` the band is moved up: ``n_bottom = 0``, ``n_top = n - n_keep``).
     """
     numel = delta.numel()
-    n_keep = int(density * numel)
+    n_keep = min(numel, max(1, int(density * numel)))
     n_top = int(gamma * numel)
     n_bottom = numel - n_keep - n_top
     if n_bottom < 0:

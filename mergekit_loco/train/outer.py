@@ -137,9 +137,11 @@ class OuterOptimizer:
         return {"steps_taken": self.steps_taken, "sgd": copy.deepcopy(self.sgd.state_dict())}
 
     def load_state_dict(self, state: Mapping) -> None:
-        """Restore :meth:`state_dict`. Before any change, raises ValueError naming the key for a
-        state of another optimizer: other keys, a negative or non-integer step count, or a
-        momentum buffer that is not its parameter's shape."""
+        """Restore :meth:`state_dict`: the step count and momentum buffers. The settings stay
+        this optimizer's own (lr, momentum, nesterov), where torch would load the saved ones,
+        as a resumed ``mloco train`` keeps its config's. Before any change, raises ValueError
+        naming the key for a state of another optimizer: other keys, a negative or non-integer
+        step count, or a momentum buffer that is not its parameter's shape."""
         if not isinstance(state, Mapping) or set(state) != {"steps_taken", "sgd"}:
             raise ValueError("OuterOptimizer state must hold exactly 'steps_taken' and 'sgd'")
         steps = state["steps_taken"]
@@ -166,5 +168,8 @@ class OuterOptimizer:
                     f"OuterOptimizer state: the momentum of {name!r} is {list(buffer.shape)}, "
                     f"but the parameter is {list(param.shape)}"
                 )
+        own = [{k: v for k, v in group.items() if k != "params"} for group in self.sgd.param_groups]
         self.sgd.load_state_dict(saved)
+        for group, settings in zip(self.sgd.param_groups, own, strict=True):
+            group.update(settings)
         self.steps_taken = steps
