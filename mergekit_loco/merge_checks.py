@@ -36,51 +36,56 @@ def identity(path: Path) -> tuple[int, int] | None:
     return status.st_dev, status.st_ino
 
 
-def footprint(path: Path) -> set[tuple[int, int]]:
-    """The files and folder a checkpoint path leads to (:func:`identity` of each): the path, and
-    the weight files it is read from (a folder's ``model.safetensors``, adapter weights or the
-    shards of its index; an index file's shards). Two paths of one checkpoint (a folder and
-    its ``model.safetensors``, or its index file) share some."""
-    files = [path]
+def weight_files(path: Path) -> frozenset[tuple[int, int]]:
+    """The weight files a checkpoint path is read from (:func:`identity` of each): a file
+    itself, a folder's ``model.safetensors`` or adapter weights, the shards of an index (a
+    folder's or the file's). Empty when none can be looked at (the reader then says why)."""
     index = path / INDEX_FILE if path.is_dir() else path
+    files = [path]
     if index.name.endswith(INDEX_SUFFIX) and index.is_file():
         try:
-            files += [index, *{entry.file for entry in read_index(index).values()}]
+            files = list({entry.file for entry in read_index(index).values()})
         except CheckpointError:
-            pass  # the reader says why when it opens the checkpoint
+            files = []
     elif path.is_dir():
-        files += [path / SINGLE_FILE, path / ADAPTER_WEIGHTS]
-    return {key for key in map(identity, files) if key is not None}
+        files = [path / SINGLE_FILE, path / ADAPTER_WEIGHTS]
+    return frozenset(key for key in map(identity, files) if key is not None)
 
 
 def same_checkpoint(first: Path, second: Path) -> bool:
-    """``first`` and ``second`` lead to one checkpoint (equal paths, one through links, or a
-    folder and one of its weight files: :func:`footprint`)."""
-    return first == second or bool(footprint(first) & footprint(second))
+    """``first`` and ``second`` lead to one checkpoint: equal paths, one through links, or the
+    same set of weight files (a folder and its ``model.safetensors`` or index file). Two models
+    that merely share a shard (a frozen shard hard-linked by a dedup tool, one blob of the
+    Hugging Face cache under two revisions) are two checkpoints."""
+    if first == second:
+        return True
+    key = identity(first)
+    if key is not None and key == identity(second):
+        return True
+    files = weight_files(first)
+    return bool(files) and files == weight_files(second)
 
 
 def check_distinct(models: Sequence[Path], base: Path | None) -> None:
     """Each checkpoint once: a model given twice would count twice, and a model that is the base
     has a zero task vector that still weighs in every method but ``ta``. Raises
     :class:`CheckpointError` naming the path and saying what to do instead."""
-    base_files = footprint(base) if base is not None else set()
-    seen: list[tuple[Path, set[tuple[int, int]]]] = []
+    seen: list[Path] = []
     for path in models:
-        files = footprint(path)
-        if files & base_files:
+        if base is not None and same_checkpoint(path, base):
             raise CheckpointError(
                 f"{path}: is the base ({base}) given again as a model; its task vector "
                 "(model - base) is zero, so leave it out of the models"
             )
-        for earlier, earlier_files in seen:
-            if files & earlier_files:
+        for earlier in seen:
+            if same_checkpoint(path, earlier):
                 same = "" if str(earlier) == str(path) else f" (as {earlier})"
                 raise CheckpointError(
                     f"{path}: given twice as a model{same}; each model counts once (to weight "
                     "one model more, give a mergekit YAML with per-model weight: mloco merge "
                     "--config)"
                 )
-        seen.append((path, files))
+        seen.append(path)
 
 
 def dtype_kind(dtype: torch.dtype) -> str:
@@ -223,8 +228,10 @@ def config_source(
     base: CheckpointReader, models: Sequence[CheckpointReader], appended: dict
 ) -> Path:
     """Where the output's config and tokenizer files come from: the base's folder, or, when
-    models added tokens, the folder of the first model that did (its vocabulary is kept)."""
+    models added tokens, the folder of the first full model that did (its vocabulary is kept;
+    a LoRA adapter adds none)."""
     name = next(iter(appended), None)
     if name is None:
         return base.config_dir
-    return next(m for m in models if m.shape(name) != base.shape(name)).config_dir
+    full = (m for m in models if isinstance(m, CheckpointReader) and name in m)
+    return next(m for m in full if m.shape(name) != base.shape(name)).config_dir

@@ -153,6 +153,11 @@ def model_entries(path: Path, config: dict) -> list[tuple[Path, dict]]:
             entry = {"model": entry}
         if not isinstance(entry, dict) or not isinstance(entry.get("model"), str):
             raise MergeConfigError(f"{path}: models[{index}] needs 'model: PATH'")
+        if not entry["model"].strip():
+            raise MergeConfigError(
+                f"{path}: models[{index}]: 'model' is an empty path (it would mean the current "
+                "folder)"
+            )
         unknown = sorted(set(entry) - {"model", "parameters"})
         if unknown:
             raise MergeConfigError(
@@ -351,6 +356,11 @@ def load_merge_config(path: str | Path) -> ConfiguredMerge:
     base_model = config.get("base_model")
     if base_model is not None and not isinstance(base_model, str):
         raise MergeConfigError(f"{path}: base_model must be a path, not {bounded(base_model)}")
+    if base_model is not None and not base_model.strip():
+        raise MergeConfigError(
+            f"{path}: base_model is an empty path (it would mean the current folder); leave the "
+            "key out for a merge without a base"
+        )
     base = Path(base_model) if base_model is not None else None
     entries = model_entries(path, config)
     check_listed_once(path, entries)

@@ -140,7 +140,7 @@ def test_reader_detects_truncation_after_opening(tmp_path):
     file = write_state_dict({"w": torch.ones(64)}, tmp_path / "m.safetensors")
     with open_checkpoint(file) as reader:
         os.truncate(file, file.stat().st_size - 8)
-        with pytest.raises(CheckpointError, match="m.safetensors: data cut: tensor 'w'"):
+        with pytest.raises(CheckpointError, match=r"m.safetensors: changed since its header.*cut"):
             reader.get("w")
 
 
@@ -217,7 +217,10 @@ def test_writer_force_replaces_an_output_it_wrote_but_no_file_a_user_added(tmp_p
     assert sorted(p.name for p in out.iterdir()) == [OWNER_MARKER, "model.safetensors"]
     assert leftovers(tmp_path) == []
     (out / "stale.txt").write_text("the user's")
-    with pytest.raises(OutputRefused, match=r"merged: --force replaces only a checkpoint.*stale"):
+    with pytest.raises(
+        OutputRefused,
+        match=r"merged: the output folder exists and is not a checkpoint.*stale.*--force replaces",
+    ):
         CheckpointWriter(out, force=True)
     assert (out / "stale.txt").read_text() == "the user's"
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Annotated, TypeVar
 
 import typer
@@ -62,6 +63,14 @@ def user_errors(command: Command) -> Command:
             raise typer.Exit(EXIT_BAD_INPUT) from None
 
     return wrapper
+
+
+def path_parser(value: str) -> Path:
+    """A path option or argument (typer's ``parser=``): an empty one, such as an unset shell
+    variable gives, is refused instead of becoming ``Path("") == "."``, the current folder."""
+    if not value.strip():
+        raise typer.BadParameter("an empty path (an unset shell variable?); give a path")
+    return Path(value)
 
 
 def parse_choice(option: str, value: str, choices: Sequence[str]) -> str:

@@ -13,6 +13,7 @@ from mergekit_loco.cli.common import (
     EXIT_INTERRUPTED,
     Debug,
     Quiet,
+    path_parser,
     print_error,
     print_warning,
     user_errors,
@@ -120,7 +121,9 @@ def check_mode_options(ctx: typer.Context, mode: str) -> None:
 @user_errors
 def compare_command(
     ctx: typer.Context,
-    output: Annotated[Path, typer.Option("--output", "-o", help="Results folder.")],
+    output: Annotated[
+        Path, typer.Option("--output", "-o", help="Results folder.", parser=path_parser)
+    ],
     mode: Annotated[
         str, typer.Option(help="aggregators: DiLoCo sweep; merge: one-shot merges of fine-tunes.")
     ] = "aggregators",
@@ -195,7 +198,9 @@ def compare_command(
         ),
     ] = None,
     jobs: Annotated[int, typer.Option(help="Cells trained at once, one process each.")] = 1,
-    base: Annotated[Path | None, typer.Option(help="merge: the pre-trained checkpoint.")] = None,
+    base: Annotated[
+        Path | None, typer.Option(help="merge: the pre-trained checkpoint.", parser=path_parser)
+    ] = None,
     finetuned: Annotated[
         str | None, typer.Option(help="merge: fine-tuned checkpoints, comma-separated.")
     ] = None,
@@ -297,7 +302,10 @@ def compare_command(
 @user_errors
 def report_command(
     results: Annotated[
-        list[Path], typer.Argument(help="Folders written by mloco compare (merge mode: several).")
+        list[Path],
+        typer.Argument(
+            help="Folders written by mloco compare (merge mode: several).", parser=path_parser
+        ),
     ],
     output: Annotated[
         Path | None,
@@ -305,6 +313,7 @@ def report_command(
             "--output",
             "-o",
             help="Where the report goes (default: the folder; several merge folders: required).",
+            parser=path_parser,
         ),
     ] = None,
     figures: Annotated[bool, typer.Option("--figures/--no-figures", help="Draw PNGs.")] = True,
@@ -328,7 +337,8 @@ def report_command(
 @user_errors
 def eval_command(
     models: Annotated[
-        list[Path], typer.Argument(help="Checkpoints: HF folders or .safetensors files.")
+        list[Path],
+        typer.Argument(help="Checkpoints: HF folders or .safetensors files.", parser=path_parser),
     ],
     data: Annotated[
         str,

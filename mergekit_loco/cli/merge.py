@@ -20,6 +20,7 @@ from mergekit_loco.cli.common import (
     check_seed,
     format_bytes,
     parse_choice,
+    path_parser,
     print_warning,
     user_errors,
 )
@@ -165,7 +166,8 @@ def merge(
     models: Annotated[
         list[Path] | None,
         typer.Argument(
-            help="Fine-tuned checkpoints: .safetensors files, HF folders or LoRA adapter folders."
+            help="Fine-tuned checkpoints: .safetensors files, HF folders or LoRA adapter folders.",
+            parser=path_parser,
         ),
     ] = None,
     method: Annotated[
@@ -173,7 +175,10 @@ def merge(
     ] = None,
     config: Annotated[
         Path | None,
-        typer.Option(help="A mergekit-style YAML file: models, base, method and parameters."),
+        typer.Option(
+            help="A mergekit-style YAML file: models, base, method and parameters.",
+            parser=path_parser,
+        ),
     ] = None,
     output: Annotated[
         Path | None,
@@ -182,11 +187,14 @@ def merge(
             "-o",
             help="Output: a .safetensors file, or a folder (sharded, with index). Default: "
             "merged-METHOD.safetensors for .safetensors inputs, else the folder merged-METHOD.",
+            parser=path_parser,
         ),
     ] = None,
     base: Annotated[
         Path | None,
-        typer.Option(help="The pre-trained checkpoint the models were fine-tuned from."),
+        typer.Option(
+            help="The pre-trained checkpoint the models were fine-tuned from.", parser=path_parser
+        ),
     ] = None,
     scale: Annotated[
         float,

@@ -17,6 +17,7 @@ from mergekit_loco.cli.common import (
     EXIT_INTERRUPTED,
     Debug,
     one_line,
+    path_parser,
     print_error,
     user_errors,
 )
@@ -183,7 +184,8 @@ def train_command(
         ),
     ] = None,
     out: Annotated[
-        Path | None, typer.Option(help=f"Run folder (default {default('out')}).")
+        Path | None,
+        typer.Option(help=f"Run folder (default {default('out')}).", parser=path_parser),
     ] = None,
     checkpoint_every: Annotated[
         int | None,
@@ -218,7 +220,8 @@ def train_command(
         str | None, typer.Option(help="Start from this HF folder / safetensors (fine-tuning).")
     ] = None,
     config: Annotated[
-        Path | None, typer.Option("--config", help="A .toml, .yaml or .json config file.")
+        Path | None,
+        typer.Option("--config", help="A .toml, .yaml or .json config file.", parser=path_parser),
     ] = None,
     mode: Annotated[
         str | None,

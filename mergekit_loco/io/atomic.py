@@ -240,9 +240,10 @@ def check_output(
 
     Always refused: a target that is, holds or lies inside an input (``inputs``), and a target
     that is a symlink. ``force`` replaces only a plain checkpoint (:func:`foreign_entry`): an
-    output mloco wrote to which a user added a file is refused too. Raises
-    :class:`OutputExistsError` (exists, no ``force``) or :class:`OutputRefused`, naming the path
-    and what to do. What a killed writer of ``target`` left is cleared first
+    output mloco wrote to which a user added a file is refused too, with or without ``force``
+    (the refusal never advises a ``--force`` that would be refused). Raises
+    :class:`OutputExistsError` (a checkpoint exists, no ``force``) or :class:`OutputRefused`,
+    naming the path and what to do. What a killed writer of ``target`` left is cleared first
     (:func:`clear_dead_leftovers`: an old target it was replacing is back in place).
     """
     target = settled(target)
@@ -263,17 +264,17 @@ def check_output(
     if not target.exists():
         return
     what = "folder" if target.is_dir() else "file"
-    if not force:
-        raise OutputExistsError(
-            f"{shown(target)}: {kind} {what} exists; pass --force (force=True) to replace it"
-        )
-    foreign = foreign_entry(target)
+    foreign = foreign_entry(target)  # named with or without force: --force would not help
     if foreign is not None:
         holds = "" if foreign == target else f" (it holds {shown(foreign.name)})"
         raise OutputRefused(
-            f"{shown(target)}: --force replaces only a checkpoint (a .safetensors file, or a "
-            f"folder of checkpoint files and nothing else), and this {what} is not one{holds}; "
-            "remove it yourself or choose another path"
+            f"{shown(target)}: the {kind} {what} exists and is not a checkpoint{holds}; --force "
+            "replaces only a checkpoint (a .safetensors file, or a folder of checkpoint files and "
+            "nothing else): remove it yourself or choose another path"
+        )
+    if not force:
+        raise OutputExistsError(
+            f"{shown(target)}: {kind} {what} exists; pass --force (force=True) to replace it"
         )
 
 

@@ -121,7 +121,11 @@ def _no_constant(name: str) -> object:
 
 
 def unique_keys(pairs: list[tuple[str, object]]) -> dict:
-    """``dict(pairs)``, refusing a key that appears twice."""
+    """``dict(pairs)``, refusing a key that appears twice or a key or string value that is no
+    Unicode text (a lone surrogate escape such as ``"\\ud800"``, which UTF-8 cannot hold)."""
+    for key, value in pairs:
+        if not (is_text(key) and all_text(value)):
+            raise ValueError(f"a string at key {ascii(key)[:80]} holds a lone surrogate")
     result = dict(pairs)
     if len(result) != len(pairs):
         seen = set()
@@ -132,9 +136,33 @@ def unique_keys(pairs: list[tuple[str, object]]) -> dict:
     return result
 
 
+def is_text(text: str) -> bool:
+    """``text`` encodes to UTF-8 (holds no lone surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def all_text(value: object) -> bool:
+    """Every string in ``value`` and its nested lists :func:`is_text` (objects inside were
+    checked when they were parsed)."""
+    if isinstance(value, str):
+        return is_text(value)
+    return not isinstance(value, list) or all(map(all_text, value))
+
+
+def json_int(literal: str) -> int | float:
+    """A JSON integer literal; ``-0`` is the float -0.0, as JSON and serde read it (so a
+    safetensors offset or shape of ``-0`` is refused as not an integer, as safetensors does)."""
+    return -0.0 if literal == "-0" else int(literal)
+
+
 def parse_json(raw: bytes, where: str) -> object:
-    """Strict JSON: UTF-8, no NaN/Infinity, no duplicate keys, nesting bounded by the
-    interpreter's recursion limit (a deeper text is refused, never a ``RecursionError``).
+    """Strict JSON: UTF-8, no NaN/Infinity, no duplicate keys, no lone surrogate escape in a
+    key or string value, ``-0`` read as a float, nesting bounded by the interpreter's recursion
+    limit (a deeper text is refused, never a ``RecursionError``).
 
     Raises :class:`UnsafeInputError` naming ``where`` (never quoting the bytes).
     """
@@ -143,7 +171,9 @@ def parse_json(raw: bytes, where: str) -> object:
     except UnicodeDecodeError as error:
         raise UnsafeInputError(f"{where}: not UTF-8 (at byte {error.start})") from None
     try:
-        return json.loads(text, object_pairs_hook=unique_keys, parse_constant=_no_constant)
+        return json.loads(
+            text, object_pairs_hook=unique_keys, parse_constant=_no_constant, parse_int=json_int
+        )
     except json.JSONDecodeError as error:
         raise UnsafeInputError(
             f"{where}: not valid JSON ({error.msg} at char {error.pos})"

@@ -63,13 +63,22 @@ class CheckpointError(ValueError):
 
 @dataclass(frozen=True)
 class TensorEntry:
-    """Where one tensor lives: ``file`` bytes ``[begin, end)`` (absolute offsets)."""
+    """Where one tensor lives: ``file`` bytes ``[begin, end)`` (absolute offsets), as the
+    header read from the file version ``stamp`` (:func:`file_stamp`) said."""
 
     file: Path
     dtype: torch.dtype
     shape: tuple[int, ...]
     begin: int
     end: int
+    stamp: tuple[int, ...] = ()
+
+
+def file_stamp(descriptor: int) -> tuple[int, ...]:
+    """Device, inode, size and modification time of an open file: another file put in its
+    place (an atomic replace) or a rewrite changes it."""
+    status = os.fstat(descriptor)
+    return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns
 
 
 def read_header(file: Path) -> dict[str, TensorEntry]:
@@ -87,7 +96,8 @@ def read_header(file: Path) -> dict[str, TensorEntry]:
     where = shown(file)
     try:
         with open_regular(file, "safetensors file") as handle:
-            file_size = os.fstat(handle.fileno()).st_size
+            stamp = file_stamp(handle.fileno())
+            file_size = stamp[2]
             prefix = handle.read(LENGTH_PREFIX_BYTES)
             if len(prefix) < LENGTH_PREFIX_BYTES:
                 raise CheckpointError(
@@ -120,7 +130,9 @@ def read_header(file: Path) -> dict[str, TensorEntry]:
         isinstance(value, str) for value in metadata.values()
     ):
         raise CheckpointError(f"{where}: corrupt header: __metadata__ must map strings to strings")
-    entries = {name: parse_entry(file, name, info, data_start) for name, info in header.items()}
+    entries = {
+        name: parse_entry(file, name, info, data_start, stamp) for name, info in header.items()
+    }
     check_tiling(file, entries, data_start, file_size)
     return entries
 
@@ -151,7 +163,9 @@ def check_tiling(
         )
 
 
-def parse_entry(file: Path, name: str, info: object, data_start: int) -> TensorEntry:
+def parse_entry(
+    file: Path, name: str, info: object, data_start: int, stamp: tuple[int, ...] = ()
+) -> TensorEntry:
     """One header entry -> :class:`TensorEntry`, checking ``end - begin = numel * itemsize``."""
 
     def corrupt(problem: str) -> CheckpointError:
@@ -181,7 +195,7 @@ def parse_entry(file: Path, name: str, info: object, data_start: int) -> TensorE
             f"spans {end - begin} bytes but {dtype_name} x {list(shape)} needs "
             f"{numel * dtype.itemsize}"
         )
-    return TensorEntry(file, dtype, tuple(shape), data_start + begin, data_start + end)
+    return TensorEntry(file, dtype, tuple(shape), data_start + begin, data_start + end, stamp)
 
 
 def is_count(value: object) -> bool:
@@ -208,7 +222,7 @@ def read_index(index: Path) -> dict[str, TensorEntry]:
             f"{shown(index)}: bad index: expected a JSON object whose weight_map maps tensor "
             "names to shard file names"
         )
-    entries = {}
+    shards: dict[Path, tuple[Path, list[str]]] = {}  # one file however the map spells it
     for shard_name in sorted(set(weight_map.values())):
         try:
             shard = inside(index.parent, shard_name, "shard")
@@ -220,6 +234,10 @@ def read_index(index: Path) -> dict[str, TensorEntry]:
                 f"{shown(index)}: points at missing shard {shown(shard_name)} (for tensor "
                 f"{shown(listed[0])[:200]!r})"
             )
+        shards.setdefault(shard.resolve(), (shard, []))[1].extend(listed)
+    entries = {}
+    for shard, listed in shards.values():
+        shard_name = shard.name
         shard_entries = read_header(shard)
         absent = [name for name in listed if name not in shard_entries]
         if absent:
@@ -281,11 +299,27 @@ class CheckpointReader:
         return self.entry(name).file
 
     def get(self, name: str) -> torch.Tensor:
-        """Read tensor ``name`` into new CPU memory."""
+        """Read tensor ``name`` into new CPU memory, from the file version its header was read
+        from (a file replaced or rewritten since is refused, naming it: its offsets no longer
+        hold)."""
         entry = self.entry(name)
-        buffer = torch.empty(entry.end - entry.begin, dtype=torch.uint8)
-        view = memoryview(buffer.numpy())
         handle = self._handle(entry.file)
+        stamp = file_stamp(handle.fileno())
+        if entry.stamp and stamp != entry.stamp:
+            raise CheckpointError(
+                f"{shown(entry.file)}: changed since its header was read (replaced, cut or "
+                f"rewritten while being read: {stamp[2]} bytes, {entry.stamp[2]} then); run "
+                "again once nothing writes it"
+            )
+        size = entry.end - entry.begin
+        try:
+            buffer = torch.empty(size, dtype=torch.uint8)
+        except (RuntimeError, MemoryError):  # torch's allocator says RuntimeError
+            raise CheckpointError(
+                f"{shown(entry.file)}: tensor {shown(name)!r} needs {size:,} bytes, more memory "
+                "than this machine can give"
+            ) from None
+        view = memoryview(buffer.numpy())
         handle.seek(entry.begin)
         filled = 0
         while filled < len(view):
@@ -335,6 +369,14 @@ def open_checkpoint(path: str | Path) -> CheckpointReader:
     """
     path = Path(path)
     if path.is_dir():
+        both = [name for name in (INDEX_FILE, SINGLE_FILE) if os.path.lexists(path / name)]
+        if len(both) == 2:
+            raise CheckpointError(
+                f"{shown(path)}: holds both {SINGLE_FILE} and {INDEX_FILE}, so which one is the "
+                f"model is ambiguous (transformers loads {SINGLE_FILE}); give the one you mean, "
+                f"{shown(path / SINGLE_FILE)} or {shown(path / INDEX_FILE)}, or remove the stale "
+                "one"
+            )
         for name, read in ((INDEX_FILE, read_index), (SINGLE_FILE, read_header)):
             if (path / name).exists() or (path / name).is_symlink():
                 try:
