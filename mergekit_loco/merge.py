@@ -95,9 +95,18 @@ def scale_without_base(scale: float) -> str:
 
 def check_same_values(name: str, inputs: list, stand_in: CheckpointReader) -> None:
     """Without a base a tensor that is not merged (integer, bool) is copied from the stand-in
-    model, so every model must hold the same values (else the model order would decide)."""
+    model, so every model must hold the same values in the same dtype (else the model order
+    would decide)."""
     for tensor in inputs[1:]:
-        if tensor is not None and not torch.equal(tensor, inputs[0]):
+        if tensor is None:
+            continue
+        if tensor.dtype != inputs[0].dtype:
+            raise CheckpointError(
+                f"{stand_in.file_of(name)}: tensor {name!r} (not merged) is {inputs[0].dtype} "
+                f"here but {tensor.dtype} in another model; without --base neither can be "
+                "chosen: give --base"
+            )
+        if not torch.equal(tensor, inputs[0]):
             raise CheckpointError(
                 f"{stand_in.file_of(name)}: tensor {name!r} ({inputs[0].dtype}, not merged) "
                 "differs between the models; without --base none of them can be chosen: give "

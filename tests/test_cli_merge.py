@@ -558,6 +558,22 @@ def test_mean_without_base_refuses_integer_tensors_that_differ(tmp_path, capsys)
     assert not (tmp_path / "soup.safetensors").exists()
 
 
+@pytest.mark.parametrize("dtypes", [(torch.int64, torch.int32), (torch.int32, torch.int64)])
+def test_mean_without_base_refuses_equal_integer_values_of_other_dtypes(tmp_path, capsys, dtypes):
+    """Equal values as int64 and int32: copying the first model's would let the order choose
+    the output's dtype. Refused in either order, naming both dtypes."""
+    first, second, _ = soup_inputs(tmp_path)
+    paths = []
+    for index, (path, dtype) in enumerate(zip((first, second), dtypes, strict=True)):
+        state = load_state_dict(path) | {"ids": torch.arange(5).to(dtype)}
+        paths.append(write_state_dict(state, tmp_path / f"typed-{index}.safetensors"))
+    code, _, err = run_main(capsys, "merge", *paths, "--method", "mean",
+                            "-o", tmp_path / "soup.safetensors")  # fmt: skip
+    assert code == 2
+    assert_one_line_error(err, "'ids'", f"is {dtypes[0]} here but {dtypes[1]}", "give --base")
+    assert not (tmp_path / "soup.safetensors").exists()
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_a_folder_output_config_names_the_dtype_written(tmp_path, capsys, dtype):
     """Before, ``--dtype bfloat16`` into a folder copied the base's ``"dtype": "float32"``, so

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import subprocess
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from mergekit_loco.io import CheckpointError, open_checkpoint
+from mergekit_loco.io.atomic import hidden_stem, process_tag
 
 
 def write_index(folder, weight_map: dict[str, str]) -> None:
@@ -261,3 +263,22 @@ def test_an_existing_output_that_is_no_checkpoint_is_never_offered_force(
         line = assert_refused(code, err, str(out), "is not a checkpoint", "remove it yourself")
         assert "add --force" not in line
     assert snapshot(tmp_path) == before
+
+
+def test_a_long_output_name_is_written_replaced_and_its_leftovers_cleared(capsys, tmp_path, models):
+    """A legal 240-byte name leaves no room for ``.NAME.tmp-HOST-PID-XXXX`` (255 bytes at most):
+    the hidden names beside it shorten the name with a hash, so it writes, replaces and cleans
+    up like any other."""
+    out = tmp_path / ("é" * 114 + ".safetensors")  # 240 bytes
+    ft1, base = models / "ft1.safetensors", models / "base.safetensors"
+    for force in ([], ["--force"]):
+        code, err, _ = run_cli(capsys, "merge", ft1, "--base", base, "-m", "ta", "-o", out, *force)
+        assert code == 0, err
+    assert load_file(out)["a"].tolist() == [2.0] * 4
+    ended = subprocess.Popen(["true"])  # a writer of this host that has ended
+    ended.wait()
+    host = process_tag().rsplit("-", 1)[0]
+    (tmp_path / f".{hidden_stem(out)}.tmp-{host}-{ended.pid}-x").mkdir()
+    code, err, _ = run_cli(capsys, "merge", ft1, "--base", base, "-m", "ta", "-o", out, "--force")
+    assert code == 0, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["inputs", out.name])

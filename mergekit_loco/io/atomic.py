@@ -22,6 +22,7 @@ report folder): only one that is empty or ours, with or without ``--force``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -75,11 +76,27 @@ class OutputExistsError(OutputRefused):
     """The output path exists and ``force`` was not given."""
 
 
+#: Bytes of a name kept in the hidden names beside it (a file name may have 255 bytes).
+STEM_BYTES = 120
+
+
+def hidden_stem(path: Path) -> str:
+    """The part of the hidden names beside ``path`` (``.STEM.tmp-...``) that names it:
+    ``path.name``, or for a name too long to take a suffix within 255 bytes its first bytes
+    and a hash of the whole (one name, one stem)."""
+    name = path.name
+    encoded = name.encode("utf-8", "surrogateescape")
+    if len(encoded) <= STEM_BYTES:
+        return name
+    head = encoded[: STEM_BYTES - 9].decode("utf-8", "ignore")
+    return f"{head}~{hashlib.sha256(encoded).hexdigest()[:8]}"
+
+
 def write_atomically(path: Path, data: str | bytes) -> None:
     """Write ``data`` to ``path`` so that readers see the old file or the whole new one (mode
     0644); the folder is created if needed, and the temp file never outlives a failure."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, staging = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, staging = tempfile.mkstemp(dir=path.parent, prefix=f".{hidden_stem(path)}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as handle:
             handle.write(data)
@@ -379,7 +396,8 @@ def clear_dead_leftovers(target: Path) -> None:
     ``.NAME.old-HOST-PID-XXXX`` of a replaced target once the new target is in place (if it never
     landed, the old one is renamed back: nothing is lost). Only paths whose process, on this
     host, has ended; others are left alone."""
-    pattern = re.compile(rf"\.{re.escape(target.name)}\.(tmp|old|del)-([\w.]+)-(\d+)-\w+")
+    stem = re.escape(hidden_stem(target))
+    pattern = re.compile(rf"\.{stem}\.(tmp|old|del)-([\w.]+)-(\d+)-\w+")
     try:
         entries = list(target.parent.iterdir())
     except OSError:
@@ -408,14 +426,16 @@ def commit(built: Path, target: Path, replace: bool) -> None:
     if not replace:
         raise OutputExistsError(f"{shown(target)}: appeared while it was being written")
     tag = f"{process_tag()}-{os.urandom(4).hex()}"
-    old = target.with_name(f".{target.name}.old-{tag}")
+    old = target.with_name(f".{hidden_stem(target)}.old-{tag}")
     os.rename(target, old)
     try:
         os.rename(built, target)
     except BaseException:
         os.rename(old, target)
         raise
-    doomed = target.with_name(f".{target.name}.del-{tag}")  # .old- means: the new one not in
+    doomed = target.with_name(
+        f".{hidden_stem(target)}.del-{tag}"
+    )  # .old- means: the new one not in
     os.rename(old, doomed)
     remove_output(doomed)
 
@@ -438,7 +458,7 @@ def staged_output(
     clear_dead_leftovers(target)
     committed = False
     staging = Path(
-        tempfile.mkdtemp(prefix=f".{target.name}.tmp-{process_tag()}-", dir=target.parent)
+        tempfile.mkdtemp(prefix=f".{hidden_stem(target)}.tmp-{process_tag()}-", dir=target.parent)
     )
     try:
         with signals_raise():

@@ -5,19 +5,22 @@ adapted linear layer ``M``, ``base_model.model.M.lora_A.weight`` (r x in) and
 ``base_model.model.M.lora_B.weight`` (out x r); it adapts the base tensor ``M.weight``.
 ``scaling = lora_alpha / r`` (``lora_alpha / sqrt(r)`` with ``use_rslora``), ``r`` and
 ``lora_alpha`` of a module taken from the first ``rank_pattern`` / ``alpha_pattern`` key that
-matches its name as PEFT matches it (:func:`pattern_matches`). Options that are not
+matches its name as PEFT matches it (:func:`pattern_matches`; a key that can backtrack
+catastrophically is refused). Options that are not
 a plain low-rank delta of a weight (DoRA, trained biases, saved full modules, embedding LoRA,
 ``fan_in_fan_out``) are refused with the option named. So is an adapter whose factors are not
 finite floating-point matrices of matching rank, that names one factor twice, holds none, or
-whose files are symlinks leading outside its folder.
+whose files are symlinks leading outside its folder. Factors stored in a narrower dtype than
+float32 (8-bit floats included) are scaled and multiplied in float32.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -26,6 +29,12 @@ from safetensors.torch import save_file
 from mergekit_loco.io.atomic import ADAPTER_CONFIG, check_output, staged_output
 from mergekit_loco.io.files import inside, read_json, shown
 from mergekit_loco.io.reader import CheckpointError, CheckpointReader, read_header
+from mergekit_loco.task_vector import all_finite
+
+try:
+    from re import _parser as regex_parser  # Python's own regex parser (3.11+)
+except ImportError:  # pragma: no cover - an older name of the same module
+    import sre_parse as regex_parser
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 KEY_PREFIX = "base_model.model."
@@ -44,12 +53,67 @@ def _is_number(value: object) -> bool:
 MAX_PATTERN_CHARS = 1000
 
 
+#: Parsed-pattern operators that repeat their body: ``*``, ``+``, ``?``, ``{m,n}`` (greedy, lazy,
+#: possessive).
+_REPEATS = (regex_parser.MAX_REPEAT, regex_parser.MIN_REPEAT, regex_parser.POSSESSIVE_REPEAT)
+
+
+def _subpatterns(argument: object) -> Iterator[regex_parser.SubPattern]:
+    """The parsed sub-patterns inside the argument of one parsed-pattern item."""
+    if isinstance(argument, regex_parser.SubPattern):
+        yield argument
+    elif isinstance(argument, tuple | list):
+        for part in argument:
+            yield from _subpatterns(part)
+
+
+def _choice_in_repeat(items: regex_parser.SubPattern, in_repeat: bool = False) -> str | None:
+    """What the first choice (a repeat of varying count, or an alternation) inside a repeat of
+    more than one count in parsed pattern ``items`` is, else None. Such a pattern can match one
+    text in exponentially many ways, which a backtracking matcher tries one after another:
+    ``(a+)+b``, ``(a|a)*b``, ``(a?){30}a{30}``."""
+    for operator, argument in items:
+        if operator in _REPEATS:
+            low, high, body = argument
+            if in_repeat and low != high:
+                return "a repeat (*, +, ? or {m,n})"
+            found = _choice_in_repeat(body, in_repeat or high > 1)
+        elif in_repeat and operator == regex_parser.BRANCH:
+            return "an alternation (|)"
+        else:
+            parts = _subpatterns(argument)
+            found = next(filter(None, (_choice_in_repeat(p, in_repeat) for p in parts)), None)
+        if found:
+            return found
+    return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _peft_regex(key: str) -> re.Pattern[str]:
+    r"""``(.*\.)?({key})$`` compiled, once per key; ValueError saying why for one that is no
+    regular expression or that nests a choice inside a repeat (:func:`_choice_in_repeat`)."""
+    pattern = rf"(.*\.)?({key})$"
+    try:
+        choice = _choice_in_repeat(regex_parser.parse(pattern))
+        compiled = re.compile(pattern)
+    except (re.error, RecursionError, OverflowError) as error:
+        reason = getattr(error, "msg", error)
+        raise ValueError(f"is not a regular expression as PEFT reads it ({reason})") from None
+    if choice is not None:
+        raise ValueError(
+            f"nests {choice} inside a repeat: it can backtrack exponentially (hours on one "
+            "module name); refused"
+        )
+    return compiled
+
+
 def pattern_matches(file: Path, option: str, key: str, module: str) -> bool:
     r"""Whether ``rank_pattern`` / ``alpha_pattern`` key ``key`` applies to module ``module`` as
     PEFT decides it: ``re.match(rf"(.*\.)?({key})$", module)``, the key a regular expression for
     the module's whole name or a dotted suffix of it. A key longer than
-    :data:`MAX_PATTERN_CHARS` or that is no regular expression raises :class:`CheckpointError`
-    naming ``file`` and the key."""
+    :data:`MAX_PATTERN_CHARS`, that is no regular expression, or that nests a choice inside a
+    repeat (``(a+)+b``, ``(a|a)*b``: exponential backtracking) raises :class:`CheckpointError`
+    naming ``file`` and the key. Each key is parsed and compiled once per process."""
     where = f"{shown(file)}: {option} key {json.dumps(key)[:60]}"
     if len(key) > MAX_PATTERN_CHARS:
         raise CheckpointError(
@@ -57,11 +121,10 @@ def pattern_matches(file: Path, option: str, key: str, module: str) -> bool:
             "regular expression for module names)"
         )
     try:
-        return re.match(rf"(.*\.)?({key})$", module) is not None
-    except (re.error, RecursionError) as error:
-        raise CheckpointError(
-            f"{where} is not a regular expression as PEFT reads it ({getattr(error, 'msg', error)})"
-        ) from None
+        regex = _peft_regex(key)
+    except ValueError as error:
+        raise CheckpointError(f"{where} {error}") from None
+    return regex.match(module) is not None
 
 
 def pattern_value(file: Path, option: str, pattern: dict, module: str, default: object) -> object:
@@ -122,6 +185,11 @@ def read_adapter_config(folder: Path) -> dict:
             raise CheckpointError(f"{file}: {option!r} is {shown_value}: {reason}")
     _check_settings(file, config)
     return config
+
+
+def _at_least_float32(dtype: torch.dtype) -> torch.dtype:
+    """``dtype``, or float32 if it is narrower (torch has no arithmetic on 8-bit floats)."""
+    return dtype if dtype.itemsize >= 4 else torch.float32
 
 
 class LoraAdapter:
@@ -249,13 +317,14 @@ class LoraAdapter:
                 )
 
     def _read(self, key: str, dtype: torch.dtype, scaling: float = 1.0) -> torch.Tensor:
-        """Factor ``key`` in ``dtype`` times ``scaling``, refused unless finite."""
+        """Factor ``key`` times ``scaling`` (computed in ``dtype``, at least float32), in
+        ``dtype``; refused unless finite, whatever dtype it is stored in (8-bit floats too)."""
         where = f"{shown(self._reader.weights_file)}: tensor {key!r}"
         factor = self._reader.get(key)
-        if not torch.isfinite(factor).all():
+        if not all_finite(factor):
             raise CheckpointError(f"{where} contains {'NaN' if factor.isnan().any() else 'Inf'}")
-        factor = factor.to(dtype).mul_(scaling)
-        if not torch.isfinite(factor).all():
+        factor = factor.to(_at_least_float32(dtype)).mul_(scaling).to(dtype)
+        if not all_finite(factor):
             raise CheckpointError(f"{where} times its scaling {scaling:g} overflows {dtype}")
         return factor
 
@@ -265,9 +334,10 @@ class LoraAdapter:
         return self._read(key_b, dtype, self._scalings[name]), self._read(key_a, dtype)
 
     def delta(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        """The dense ``scaling * B @ A`` of base tensor ``name`` in ``dtype``."""
-        lora_b, lora_a = self.factors(name, dtype)
-        return lora_b @ lora_a
+        """The dense ``scaling * B @ A`` of base tensor ``name`` in ``dtype`` (multiplied in
+        ``dtype``, at least float32)."""
+        lora_b, lora_a = self.factors(name, _at_least_float32(dtype))
+        return (lora_b @ lora_a).to(dtype)
 
     def close(self) -> None:
         self._reader.close()
@@ -288,10 +358,15 @@ def write_lora_adapter(
 ) -> Path:
     """Write a PEFT adapter folder (``adapter_model.safetensors`` + ``adapter_config.json``)
     atomically, with the output rules of every mloco output (see
-    :func:`mergekit_loco.io.atomic.check_output`)."""
+    :func:`mergekit_loco.io.atomic.check_output`). An OSError while writing (read-only folder,
+    full disk) raises :class:`CheckpointError` ``cannot write OUT: reason``, naming ``out``."""
     out = Path(out)
     check_output(out, force, inputs, kind="LoRA adapter")
-    with staged_output(out, "lora adapter", replace=force) as staging:
-        save_file(tensors, staging / ADAPTER_WEIGHTS, metadata={"format": "pt"})
-        (staging / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    try:
+        with staged_output(out, "lora adapter", replace=force) as staging:
+            save_file(tensors, staging / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+            (staging / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    except OSError as error:
+        reason = error.strerror or str(error)
+        raise CheckpointError(f"cannot write {shown(out)}: {reason}") from error
     return out
