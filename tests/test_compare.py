@@ -122,9 +122,10 @@ def test_plan_refuses_unmatched_budgets_and_bad_splits():
 
 def test_outer_lr_grid_multipliers_and_absolute_values():
     grid = Grid.parse(["0.5,1,2", "isoloco=1.2,1.8"])
-    assert grid.values("diloco", 0.7) == [0.35, None, 1.4]  # the preset's own lr is None
-    assert grid.values("isoloco", 1.8) == [1.2, None]
-    assert Grid().values("tsv", 0.6) == [None]
+    # (multiplier or value as given, the lr a cell trains with); the preset's own lr is None
+    assert grid.settings("diloco", 0.7) == [(0.5, 0.35), (1, None), (2, 1.4)]
+    assert grid.settings("isoloco", 1.8) == [(1.2, 1.2), (1.8, None)]
+    assert Grid().settings("tsv", 0.6) == [(None, None)]
     sweep = Sweep(["diloco", "isoloco"], [2], inner_steps=[2], outer_lr_grid=grid,
                   baseline=False, shared={**TOY, "tokens": 1024})  # fmt: skip
     lrs = {(c.aggregator, c.outer_lr) for c in plan(sweep)}
@@ -144,9 +145,9 @@ def test_outer_lr_grid_multipliers_and_absolute_values():
 
 def test_outer_momentum_grid_applies_to_presets_with_momentum():
     grid = Grid.parse(["0.8,0.95"], option="--outer-momentum-grid", relative=False)
-    assert grid.values("diloco", 0.9) == [0.8, 0.95]
-    assert grid.values("tsv", 0.0) == [None]  # no momentum: not swept unless named
-    assert Grid.parse(["tsv=0.5"], relative=False).values("tsv", 0.0) == [0.5]
+    assert grid.settings("diloco", 0.9) == [(0.8, 0.8), (0.95, 0.95)]
+    assert grid.settings("tsv", 0.0) == [(None, None)]  # no momentum: not swept unless named
+    assert Grid.parse(["tsv=0.5"], relative=False).settings("tsv", 0.0) == [(0.5, 0.5)]
     lr_grid = Grid.parse(["diloco=0.7,1.4"])
     sweep = Sweep(["diloco", "tsv"], [2], inner_steps=[2], seeds=[3, 5],
                   outer_lr_grid=lr_grid, outer_momentum_grid=grid, baseline=False,
@@ -589,6 +590,38 @@ def test_sigterm_to_a_parallel_sweep_stops_its_workers(tmp_path):
     assert not outlived(workers, 60), "worker processes outlived the sweep"
 
 
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_sigterm_to_a_parallel_sweep_with_an_idle_worker_ends_within_seconds(tmp_path):
+    """``kill PID`` of ``mloco compare --jobs 2`` while one worker is idle (its cell ended: here
+    it diverged at once) and the other trains. Before, the idle worker died holding the pool's
+    call-queue lock; the busy one stopped its cell, then blocked on that lock, and the sweep
+    waited its 60 s grace to kill it. Now it exits 130 within seconds, keeping the stopped
+    cell's checkpoint."""
+    args = parallel_sweep_command(tmp_path)
+    args[args.index("--aggregators") + 1] = "diloco"
+    args += ["--outer-lr-grid", "diloco=1e6"]  # diverges in round 1: its worker goes idle
+    out = tmp_path / "sweep"
+    sweep = start_sweep(args, out)
+    failed = out / "runs" / "diloco-R2-H2-lr1e+06-s0" / runs.FAILED_FILE
+    deadline = time.monotonic() + 120
+    while not failed.exists() and time.monotonic() < deadline:
+        assert sweep.poll() is None, sweep.stderr.read()
+        time.sleep(0.2)
+    time.sleep(1)  # its worker has sent the outcome and waits for work
+    workers = {pid for pid in children_of(sweep.pid)
+               if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()}  # fmt: skip
+    assert len(workers) == 2, "not one idle and one busy worker"
+    sweep.send_signal(signal.SIGTERM)
+    try:
+        _, stderr = sweep.communicate(timeout=20)
+    finally:
+        outlived(workers, 0)
+        sweep.kill()
+    assert sweep.returncode == 130, stderr
+    assert "interrupted; finished cells are kept" in stderr
+    assert list((out / "runs" / "dp-s0" / "checkpoints").glob("round-*"))
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_workers_of_a_killed_parallel_sweep_end_with_it(tmp_path):
     """SIGKILL (or the OOM killer) of ``mloco compare --jobs 2`` while its cells train: its
@@ -664,6 +697,35 @@ def test_every_list_option_refuses_a_value_given_twice(capsys, tmp_path, args, m
     error = capsys.readouterr().err
     assert error.startswith(f"error: {message}") and error.count("\n") == 1, error
     assert error.endswith("; give each value once\n") and not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--outer-lr-grid", "0.5,0.5000001"], "--outer-lr-grid: 0.5 and 0.5000001 give "
+         "diloco the value 0.35"),  # both cells were diloco-R2-H2-lr0.35-s0
+        (["--outer-lr-grid", "1,1.0000000000001"], "--outer-lr-grid: 1.0 and 1.0000000000001 "
+         "give diloco the value 0.7"),  # both the preset's own lr: one cell trained twice
+        (["--outer-lr-grid", "1,1.0000001"], "--outer-lr-grid: 1.0 and 1.0000001 give diloco "
+         "the value 0.7"),  # diloco-R2-H2-s0 and -lr0.7-s0: one setting to the report
+        (["--outer-lr-grid", "diloco=0.35,0.3500001"], "--outer-lr-grid: 0.35 and 0.3500001 "
+         "give diloco the value 0.35"),
+        (["--outer-momentum-grid", "0.8,0.80000001"], "--outer-momentum-grid: 0.8 and "
+         "0.80000001 give diloco the value 0.8"),
+        (["--outer-momentum-grid", "0.9,0.90000001"], "--outer-momentum-grid: 0.9 and "
+         "0.90000001 give diloco the value 0.9"),  # the preset's own momentum and another
+    ],
+)  # fmt: skip
+def test_grid_values_that_cell_names_show_alike_are_refused(capsys, tmp_path, args, message):
+    """A cell's name shows its outer lr and momentum to 6 significant digits (as the report
+    reads them). Before, --outer-lr-grid 0.5,0.5000001 planned two cells of one name: the
+    second found no checkpoint, started over and deleted the first, and results.csv held one
+    run. Now grid values that would be one cell are refused in one line, before -o exists."""
+    out = tmp_path / "never"
+    code, err, _ = run_cli(capsys, *toy_compare(str(tmp_path), out, "--aggregators", "diloco",
+                                                "--workers", "2", *args))  # fmt: skip
+    assert_refused(code, err, message, "to the 6 significant digits its cell names show")
+    assert err.endswith("; give values that differ in those digits\n") and not out.exists()
 
 
 def test_plan_refuses_a_value_given_twice():

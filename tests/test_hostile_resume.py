@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import stdlib_corpus
 from hostile import TRAIN, assert_refused, run_cli, snapshot
+from safetensors.torch import load_file
 
 from mergekit_loco.io.atomic import OWNER_MARKER, OutputRefused, mark_output
 from mergekit_loco.train.checkpoint import Checkpoint, save_checkpoint
@@ -306,3 +307,65 @@ def test_resume_into_a_final_model_folder_names_the_run(capsys, tmp_path, corpus
     assert_refused(code, err, f"{hf} is a model folder", "continues a run folder")
     assert snapshot(run / "final") == before and "architectures" not in err
     assert not (run / "final" / ".mloco-lock").exists()
+
+
+def test_resume_never_replaces_what_a_user_put_in_final(capsys, tmp_path, corpus, stopped):
+    """``--force`` refuses a ``final/`` holding a user's file; ``--resume``, which writes
+    ``final/`` anew, refuses it too, before any work."""
+    run = tmp_path / "run"
+    shutil.copytree(stopped, run)
+    (run / "final").mkdir()
+    (run / "final" / "NOTES.md").write_text("eval results, keep\n")
+    before = snapshot(tmp_path)
+    code, err, _ = run_cli(capsys, "train", *TRAIN, f"--data={corpus}", f"--out={run}", "--resume")
+    assert_refused(code, err, str(run / "final"), "it holds NOTES.md", "then --resume")
+    assert snapshot(tmp_path) == before
+
+
+def test_resume_never_replaces_a_round_folder_it_did_not_write(capsys, tmp_path, corpus, stopped):
+    """A user's ``round-000002`` (no ownership marker) where the resumed run would save round 2:
+    refused before any work, naming it (before: replaced, then pruned)."""
+    run = tmp_path / "run"
+    shutil.copytree(stopped, run)
+    notes = user_folder(run / "checkpoints", "round-000002")
+    before = snapshot(tmp_path)
+    code, err, _ = run_cli(capsys, "train", *TRAIN, f"--data={corpus}", f"--out={run}", "--resume")
+    assert_refused(code, err, str(run / "checkpoints" / "round-000002"), "not written by mloco")
+    assert snapshot(tmp_path) == before and notes.read_text() == "mine\n"
+    with pytest.raises(OutputRefused, match="round-000002: exists and was not written"):
+        state = Checkpoint(round=2, config={}, global_params={"w": torch.ones(2)}, shared=None,
+                           workers={0: {"data": {"position": 0}}})  # fmt: skip
+        save_checkpoint(run, state, SimulatedWorkers(1, torch.device("cpu")))
+    assert notes.read_text() == "mine\n"
+
+
+def test_an_empty_latest_pointer_resumes_from_the_newest_checkpoint(capsys, tmp_path, corpus,
+                                                                     stopped):  # fmt: skip
+    """A crash can leave ``checkpoints/latest`` empty: the run resumes from the newest
+    checkpoint it wrote, says so, and ends where a resume through the pointer ends."""
+    finals = []
+    for pointer in (None, ""):
+        run = tmp_path / f"run-{len(finals)}"
+        shutil.copytree(stopped, run)
+        if pointer is not None:
+            (run / "checkpoints" / "latest").write_text(pointer)
+        code, err, _ = run_cli(capsys, "train", *TRAIN, f"--data={corpus}", f"--out={run}",
+                               "--resume")  # fmt: skip
+        assert code in (0, None), err
+        finals.append(load_file(run / "final" / "model.safetensors"))
+    assert "latest is empty; resuming from round-000001" in err
+    assert finals[0].keys() == finals[1].keys()
+    assert all(torch.equal(finals[0][name], finals[1][name]) for name in finals[0])
+
+
+def test_a_data_file_whose_name_is_not_utf8_trains(capsys, tmp_path, corpus):
+    """A file name of raw bytes (Latin-1 from another machine) in --data: trained on (before:
+    `error: 'utf-8' codec can't encode characters ...`, naming no file)."""
+    data = tmp_path / "data"
+    shutil.copytree(corpus, data)
+    source = next(p for p in sorted(data.rglob("*")) if p.is_file())
+    shutil.copy(source, os.fsdecode(bytes(data) + b"/caf\xe9.py"))
+    run = tmp_path / "run"
+    code, err, _ = run_cli(capsys, "train", *TRAIN, f"--data={data}", f"--out={run}")
+    assert code in (0, None), err
+    assert (run / "final" / "model.safetensors").is_file()

@@ -38,6 +38,7 @@ from mergekit_loco.compare.runs import (
     read_run_config,
     run_configs,
     setting_conflict,
+    setting_value,
 )
 from mergekit_loco.compare.sweep_report import SummaryRow, report_sweep
 from mergekit_loco.compare.tables import format_number
@@ -121,20 +122,42 @@ class Grid:
                 default = numbers
         return cls(default, named, relative, option)
 
-    def values(self, aggregator: str, preset_value: float) -> list[float | None]:
-        """The values for ``aggregator``; the preset's own is written None (one cell name for
-        it with and without a grid). An absolute grid skips presets without momentum (0)
-        unless it names them."""
+    def settings(
+        self, aggregator: str, preset_value: float
+    ) -> list[tuple[float | None, float | None]]:
+        """(grid value as given, value a cell trains with) for each grid value of
+        ``aggregator``: a relative default multiplies ``preset_value``; the preset's own value
+        is written None (one cell name for it with and without a grid). ``[(None, None)]``: not
+        swept (an absolute grid skips presets without momentum, 0, unless it names them).
+
+        Refuses two values that agree to the 6 significant digits a cell's name shows
+        (``lr0.35``) and the report reads (:func:`~mergekit_loco.compare.runs.setting_value`):
+        the sweep would take their cells for one (a second cell of one name starts over in the
+        first's folder)."""
         if aggregator in self.named:
-            values = self.named[aggregator]
+            given, scale = self.named[aggregator], 1.0
         elif self.default and self.relative:
-            values = tuple(m * preset_value for m in self.default)
+            given, scale = self.default, preset_value
         elif self.default and preset_value > 0:
-            values = self.default
+            given, scale = self.default, 1.0
         else:
-            return [None]
+            return [(None, None)]
         tolerance = 1e-12 * abs(preset_value)
-        return [None if abs(v - preset_value) <= tolerance else v for v in values]
+        settings: list[tuple[float | None, float | None]] = []
+        shown: dict[float | None, float] = {}
+        for value in given:
+            trained = value * scale
+            setting = None if abs(trained - preset_value) <= tolerance else trained
+            digits = setting_value(preset_value if setting is None else setting)
+            if digits in shown:
+                raise ValueError(
+                    f"{self.option}: {shown[digits]} and {value} give {aggregator} the value "
+                    f"{digits:g} to the 6 significant digits its cell names show, so the sweep "
+                    "would take their cells for one; give values that differ in those digits"
+                )
+            shown[digits] = value
+            settings.append((value, setting))
+        return settings
 
 
 @dataclass(frozen=True)
@@ -155,8 +178,10 @@ class Sweep:
 
 def plan(sweep: Sweep) -> list[Cell]:
     """Every cell of ``sweep``, baseline first. Checks up front that the grids name swept
-    aggregators, that the global batch splits over every R, and that every cell trains on the
-    same number of tokens (a budget of whole rounds for every H)."""
+    aggregators, that no two cells share a name (a list option or grid holding one value
+    twice, or grid values a name shows alike: :meth:`Grid.settings`), that the global batch
+    splits over every R, and that every cell trains on the same number of tokens (a budget of
+    whole rounds for every H)."""
     for grid in (sweep.outer_lr_grid, sweep.outer_momentum_grid):
         unknown = set(grid.named) - set(sweep.aggregators)
         if unknown:
@@ -173,12 +198,12 @@ def plan(sweep: Sweep) -> list[Cell]:
     for aggregator in sweep.aggregators:
         first = Cell(aggregator, sweep.workers[0], sweep.inner_steps[0], sweep.seeds[0])
         preset = cell_config(sweep, first, Path())
-        lrs = sweep.outer_lr_grid.values(aggregator, preset.outer.lr)
-        momenta = sweep.outer_momentum_grid.values(aggregator, preset.outer.momentum)
+        lrs = sweep.outer_lr_grid.settings(aggregator, preset.outer.lr)
+        momenta = sweep.outer_momentum_grid.settings(aggregator, preset.outer.momentum)
         for inner_steps in sweep.inner_steps:
             for workers in sweep.workers:
-                for lr in lrs:
-                    for momentum in momenta:
+                for _, lr in lrs:
+                    for _, momentum in momenta:
                         cells += [Cell(aggregator, workers, inner_steps, seed, lr, momentum)
                                   for seed in sweep.seeds]  # fmt: skip
     configs = {cell.inner_steps: cell_config(sweep, cell, Path()) for cell in cells}
@@ -457,21 +482,33 @@ def die_with_parent(parent: int) -> None:
     SIGKILL: the cell stops at its next inner step, a checkpoint being written is completed,
     and the worker ends (:func:`_run_cell_alone`); an idle worker ends at once. Ends at once
     too if the sweep died before the request was made. The signal follows the thread that
-    started the worker: :func:`run_cells`' thread, which outlives the pool."""
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
-        error = ctypes.get_errno()
-        raise OSError(error, f"prctl(PR_SET_PDEATHSIG): {os.strerror(error)}")
-    if os.getppid() != parent:
-        signal.raise_signal(signal.SIGTERM)
+    started the worker: :func:`run_cells`' thread, which outlives the pool.
+
+    Outside a cell, SIGTERM raises SystemExit (:func:`exit_on_sigterm`) instead of killing:
+    an idle worker holds the lock of the pool's call queue while it waits for work, and only
+    an exception releases it (killed, it left the busy worker blocked on that lock once its
+    cell stopped, until :func:`stop_workers` gave up on it a minute later)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+            error = ctypes.get_errno()
+            raise OSError(error, f"prctl(PR_SET_PDEATHSIG): {os.strerror(error)}")
+        if os.getppid() != parent:
+            signal.raise_signal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
+
+
+def exit_on_sigterm(signum: int, frame: object) -> None:
+    """A pool worker's SIGTERM handler: ``raise SystemExit(128 + signum)`` (exit status 143,
+    no traceback); a cell's training replaces it while it runs."""
+    raise SystemExit(128 + signum)
 
 
 def stop_workers(pool: ProcessPoolExecutor, grace_seconds: float = 60.0) -> None:
     """SIGTERM to every worker: its cell stops at the next inner step, keeping its last
-    checkpoint; a worker still alive after ``grace_seconds`` is killed. No worker outlives the
-    sweep (a rerun would race it in the same folders)."""
+    checkpoint, and an idle worker ends at once (:func:`die_with_parent`); a worker still alive
+    after ``grace_seconds`` is killed. No worker outlives the sweep (a rerun would race it in
+    the same folders)."""
     processes = list(getattr(pool, "_processes", {}).values())
     for process in processes:
         process.terminate()

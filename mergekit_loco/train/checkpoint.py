@@ -46,6 +46,7 @@ from safetensors.torch import save_file
 
 from mergekit_loco.io import CheckpointError, open_checkpoint
 from mergekit_loco.io.atomic import (
+    OWNER_MARKER,
     OutputRefused,
     is_ours,
     mark_output,
@@ -155,11 +156,13 @@ def save_checkpoint(out: str | Path, state: Checkpoint, group: WorkerGroup, keep
     """Write ``state`` (every process its own part) as ``OUT/checkpoints/round-XXXXXX``.
 
     Raises :class:`NotFinite` (on every rank, before anything is written) if the global
-    parameters hold NaN or Inf.
+    parameters hold NaN or Inf, and :class:`OutputRefused` if a folder of that name exists that
+    this tool did not write (a user's, which is never replaced).
     """
     root = checkpoints_root(out)
     final = root / round_name(state.round)
     check_finite(state.global_params, f"round {state.round}")
+    check_not_foreign(final)
     with ExitStack() as stack:
         staging = None
         if group.is_main:
@@ -236,8 +239,8 @@ def latest_checkpoint(out: str | Path) -> Path | None:
     """The checkpoint ``OUT/checkpoints/latest`` points to, or None if there is none.
 
     The pointer must hold a ``round-XXXXXX`` name of a real folder inside ``checkpoints/``,
-    itself a real folder inside ``OUT`` (:func:`checkpoints_root`). A pointer that is missing,
-    or names a folder that no longer exists (deleted by hand), gives way to the newest
+    itself a real folder inside ``OUT`` (:func:`checkpoints_root`). A pointer that is missing or
+    empty, or names a folder that no longer exists (deleted by hand), gives way to the newest
     checkpoint folder this tool wrote there (:func:`newest_checkpoint`), if any.
     """
     root = checkpoints_root(out)
@@ -252,8 +255,21 @@ def latest_checkpoint(out: str | Path) -> Path | None:
     return path if path.is_dir() else newest_checkpoint(root)
 
 
+def check_not_foreign(folder: Path) -> None:
+    """Refuse (:class:`OutputRefused`) a ``round-XXXXXX`` path that exists and is not a folder
+    this tool wrote (:func:`is_ours`): a save would replace it."""
+    if (folder.exists() or folder.is_symlink()) and not is_ours(folder):
+        raise OutputRefused(
+            f"{shown(folder)}: exists and was not written by mloco (no {OWNER_MARKER}); a "
+            "checkpoint of that round would replace it: move it out of checkpoints/, then "
+            "--resume"
+        )
+
+
 def pointed_name(root: Path) -> str | None:
-    """The ``round-XXXXXX`` name ``root/latest`` holds; None without a pointer."""
+    """The ``round-XXXXXX`` name ``root/latest`` holds; None without a pointer or with an empty
+    one (what a crash before the pointer's bytes reached the disk can leave). Any other content
+    is refused (it is not what this tool writes), with the advice to delete it."""
     pointer = root / LATEST
     if not (pointer.exists() or pointer.is_symlink()):
         return None
@@ -262,9 +278,12 @@ def pointed_name(root: Path) -> str | None:
     except UnsafeInputError as error:
         raise CheckpointCorrupt(str(error)) from None
     name = raw.decode("ascii", errors="replace").strip()
+    if not name:
+        return None
     if not ROUND_NAME.fullmatch(name):
         raise CheckpointCorrupt(
-            f"{shown(pointer)} does not name a round-XXXXXX checkpoint folder of this run"
+            f"{shown(pointer)} does not name a round-XXXXXX checkpoint folder of this run; "
+            "delete it to resume from the newest checkpoint folder left"
         )
     return name
 

@@ -143,7 +143,9 @@ def hash_order(documents: Sequence[Document], salt: str) -> Ordered:
     the 32-byte digests, as four big-endian 64-bit words (first word first)."""
     digests = bytearray()
     for document in documents:
-        digests += hashlib.sha256(f"{salt}\0{document.name}".encode()).digest()
+        digests += hashlib.sha256(
+            f"{salt}\0{document.name}".encode(errors="surrogateescape")
+        ).digest()
     words = np.frombuffer(bytes(digests), dtype=">u8").reshape(-1, 4).astype(np.uint64)
     return Ordered(documents, np.lexsort(words.T[::-1]))
 
@@ -153,7 +155,7 @@ def content_fingerprint(documents: Iterable[Document]) -> str:
     texts (a stamp of :func:`fingerprint` changes when a reinstall rewrites a file)."""
     digest = hashlib.sha256()
     for document in documents:
-        digest.update(f"{document.name}\0".encode())
+        digest.update(f"{document.name}\0".encode(errors="surrogateescape"))
         for chunk in document.chunks():
             digest.update(chunk.encode())
         digest.update(b"\0")
@@ -164,5 +166,5 @@ def fingerprint(documents: Iterable[Document]) -> str:
     """sha256 over every document's name and stamp: changes when any text may have changed."""
     digest = hashlib.sha256()
     for document in documents:
-        digest.update(f"{document.name}\0{document.stamp}\0".encode())
+        digest.update(f"{document.name}\0{document.stamp}\0".encode(errors="surrogateescape"))
     return digest.hexdigest()

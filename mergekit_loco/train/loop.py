@@ -106,7 +106,9 @@ def note_resume(run: Run, show: bool) -> None:
         return
     named = pointed_name(path.parent)
     if named != path.name and run.group.is_main:
+        exists = (path.parent / LATEST).exists()
         pointer = f"names {named}, which does not exist" if named else "is missing"
+        pointer = "is empty" if not named and exists else pointer
         print(f"note: {path.parent / LATEST} {pointer}; resuming from {path.name}, the newest "
               "checkpoint left", file=sys.stderr)  # fmt: skip
     if not show:

@@ -45,9 +45,11 @@ from mergekit_loco.train.checkpoint import (
     ROUND_NAME,
     STAGING_NAME,
     STATE,
+    check_not_foreign,
     latest_checkpoint,
     read_state,
     reading,
+    round_of,
 )
 from mergekit_loco.train.config import TrainConfig, float_or_none
 from mergekit_loco.train.sources import cache_root, split_sources
@@ -83,6 +85,7 @@ def resume_point(out: Path, config: TrainConfig) -> Path:
         raise ValueError(
             f"nothing to resume: {out / CHECKPOINTS} holds no checkpoint; {start_over_advice(out)}"
         )
+    check_resume_keeps_user_files(out, checkpoint)
     with reading(checkpoint / STATE):  # a damaged config in state.json names the file
         saved = read_state(checkpoint)["config"]
         changes = config.differences(saved)
@@ -100,6 +103,28 @@ def resume_point(out: Path, config: TrainConfig) -> Path:
             "pass the same options, or --allow-config-change to resume anyway"
         )
     return checkpoint
+
+
+def check_resume_keeps_user_files(out: Path, checkpoint: Path) -> None:
+    """Refuse (:class:`OutputRefused`, before any work) a resume from ``checkpoint`` that would
+    replace what a user put in the run folder: ``final/`` holding anything but a model
+    (:func:`~mergekit_loco.io.atomic.foreign_entry`; a resumed run writes ``final/`` anew) or a
+    ``round-XXXXXX`` folder after ``checkpoint``'s round that this tool did not write
+    (:func:`check_not_foreign`; the resumed run would save that round there)."""
+    final = out / FINAL
+    if final.exists() or final.is_symlink():
+        foreign = foreign_entry(final)
+        if foreign is not None:
+            holds = "" if foreign == final else f" (it holds {shown(foreign.name)})"
+            raise OutputRefused(
+                f"{shown(final)}: holds more than the model a run writes there{holds}, and a "
+                "resumed run writes final/ anew; move it out of the run folder, then --resume"
+            )
+    root = out / CHECKPOINTS
+    if root.is_dir() and not root.is_symlink():
+        for entry in sorted(root.iterdir()):
+            if ROUND_NAME.fullmatch(entry.name) and round_of(entry) > round_of(checkpoint):
+                check_not_foreign(entry)
 
 
 #: Options a resume cannot change, even with --allow-config-change: the mode and the workers
@@ -264,7 +289,14 @@ def claim_output(out: Path, config: TrainConfig, group: WorkerGroup, lock: Folde
 
 def save_final(folder: Path, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> None:
     """``folder``: config.json + model.safetensors + tokenizer, staged beside and renamed in
-    (:func:`mergekit_loco.io.atomic.staged_output`; a previous final model is replaced)."""
+    (:func:`mergekit_loco.io.atomic.staged_output`; a previous final model is replaced, but
+    never a folder holding anything else: :class:`OutputRefused`)."""
+    foreign = foreign_entry(folder) if folder.exists() or folder.is_symlink() else None
+    if foreign is not None:
+        raise OutputRefused(
+            f"{shown(folder)}: holds more than the model a run writes there (it holds "
+            f"{shown(foreign.name)}); move it away, then --resume to write the final model"
+        )
     hf_logging.disable_progress_bar()
     try:
         with staged_output(folder, FINAL_KIND, replace=True) as staging:
