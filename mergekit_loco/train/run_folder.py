@@ -111,15 +111,7 @@ def check_resume_keeps_user_files(out: Path, checkpoint: Path) -> None:
     (:func:`~mergekit_loco.io.atomic.foreign_entry`; a resumed run writes ``final/`` anew) or a
     ``round-XXXXXX`` folder after ``checkpoint``'s round that this tool did not write
     (:func:`check_not_foreign`; the resumed run would save that round there)."""
-    final = out / FINAL
-    if final.exists() or final.is_symlink():
-        foreign = foreign_entry(final)
-        if foreign is not None:
-            holds = "" if foreign == final else f" (it holds {shown(foreign.name)})"
-            raise OutputRefused(
-                f"{shown(final)}: holds more than the model a run writes there{holds}, and a "
-                "resumed run writes final/ anew; move it out of the run folder, then --resume"
-            )
+    check_final_is_a_model(out / FINAL)
     root = out / CHECKPOINTS
     if root.is_dir() and not root.is_symlink():
         for entry in sorted(root.iterdir()):
@@ -287,16 +279,23 @@ def claim_output(out: Path, config: TrainConfig, group: WorkerGroup, lock: Folde
     group.barrier()
 
 
+def check_final_is_a_model(final: Path) -> None:
+    """Refuse (:class:`OutputRefused`) a ``final/`` that holds more than a model
+    (:func:`~mergekit_loco.io.atomic.foreign_entry`): writing the final model replaces it."""
+    foreign = foreign_entry(final) if final.exists() or final.is_symlink() else None
+    if foreign is not None:
+        holds = "" if foreign == final else f" (it holds {shown(foreign.name)})"
+        raise OutputRefused(
+            f"{shown(final)}: holds more than the model a run writes there{holds}, and a "
+            "resumed run writes final/ anew; move it out of the run folder, then --resume"
+        )
+
+
 def save_final(folder: Path, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> None:
     """``folder``: config.json + model.safetensors + tokenizer, staged beside and renamed in
     (:func:`mergekit_loco.io.atomic.staged_output`; a previous final model is replaced, but
     never a folder holding anything else: :class:`OutputRefused`)."""
-    foreign = foreign_entry(folder) if folder.exists() or folder.is_symlink() else None
-    if foreign is not None:
-        raise OutputRefused(
-            f"{shown(folder)}: holds more than the model a run writes there (it holds "
-            f"{shown(foreign.name)}); move it away, then --resume to write the final model"
-        )
+    check_final_is_a_model(folder)
     hf_logging.disable_progress_bar()
     try:
         with staged_output(folder, FINAL_KIND, replace=True) as staging:
