@@ -358,6 +358,7 @@ def merge_checkpoints(
     for name, given in (("dtype", dtype), ("compute_dtype", compute_dtype)):
         if given is not None and not isinstance(given, torch.dtype):
             raise TypeError(f"{name}: a torch.dtype (torch.bfloat16), not {given!r}")
+    models = list(models)  # any iterable, read once
     for what, given in (*(("models", model) for model in models), ("base", base), ("out", out)):
         if isinstance(given, str) and not given.strip():
             raise ValueError(f"{what}: an empty path (it would mean the current folder)")

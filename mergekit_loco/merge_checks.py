@@ -38,8 +38,9 @@ def identity(path: Path) -> tuple[int, int] | None:
 
 def weight_files(path: Path) -> frozenset[tuple[int, int]]:
     """The weight files a checkpoint path is read from (:func:`identity` of each): a file
-    itself, a folder's ``model.safetensors`` or adapter weights, the shards of an index (a
-    folder's or the file's). Empty when none can be looked at (the reader then says why)."""
+    itself, a folder's ``model.safetensors`` and adapter weights (either may be read, as a base
+    or as a model), the shards of an index (a folder's or the file's). Empty when none can be
+    looked at (the reader then says why)."""
     index = path / INDEX_FILE if path.is_dir() else path
     files = [path]
     if index.name.endswith(INDEX_SUFFIX) and index.is_file():
@@ -53,17 +54,29 @@ def weight_files(path: Path) -> frozenset[tuple[int, int]]:
 
 
 def same_checkpoint(first: Path, second: Path) -> bool:
-    """``first`` and ``second`` lead to one checkpoint: equal paths, one through links, or the
-    same set of weight files (a folder and its ``model.safetensors`` or index file). Two models
-    that merely share a shard (a frozen shard hard-linked by a dedup tool, one blob of the
-    Hugging Face cache under two revisions) are two checkpoints."""
+    """``first`` and ``second`` lead to one checkpoint: equal paths, one through links, the
+    same set of weight files (a sharded folder and its index file), or a weights file and a
+    folder that holds it (:func:`weight_files`). Two models that merely share a shard (a
+    frozen shard hard-linked by a dedup tool, one blob of the Hugging Face cache under two
+    revisions) are two checkpoints."""
     if first == second:
         return True
     key = identity(first)
     if key is not None and key == identity(second):
         return True
-    files = weight_files(first)
-    return bool(files) and files == weight_files(second)
+    ours, theirs = weight_files(first), weight_files(second)
+    if not (ours and theirs):
+        return False
+    return (
+        ours == theirs
+        or (is_weights_file(first) and ours <= theirs)
+        or (is_weights_file(second) and theirs <= ours)
+    )
+
+
+def is_weights_file(path: Path) -> bool:
+    """``path`` is one weights file (not a folder or an index)."""
+    return path.is_file() and not path.name.endswith(INDEX_SUFFIX)
 
 
 def check_distinct(models: Sequence[Path], base: Path | None) -> None:

@@ -69,6 +69,19 @@ def check_output_parent(output: Path, option: str) -> None:
     )
 
 
+def check_run_folder_name(out: Path, option: str) -> None:
+    """Refuse a training run's folder (``--out``, compare's ``-o``) whose path is not UTF-8 (raw
+    bytes from another machine's encoding): the run's final tokenizer could not be written
+    there (the tokenizers library takes only UTF-8 paths), after all its rounds."""
+    try:
+        str(out).encode("utf-8")
+    except UnicodeEncodeError:
+        raise OutputRefused(
+            f"{option} {shown(out)}: the path is not UTF-8, and a run's tokenizer can only be "
+            "saved under a UTF-8 path; choose another name"
+        ) from None
+
+
 def previous_run(out: Path) -> list[Path]:
     """The files of an earlier run in ``out`` (what a fresh run with ``--force`` replaces)."""
     return [out / name for name in (METRICS, CHECKPOINTS, FINAL) if (out / name).is_symlink()

@@ -35,8 +35,9 @@ class TaskVector(Mapping[str, torch.Tensor]):
     ``TaskVector(mapping)`` wraps any name -> tensor mapping (no copy of the data). A delta is
     data, not an autograd graph: each tensor is held detached (``delta.detach()``, the same
     memory), so a task vector of ``model.named_parameters()`` needs no grad and keeps no graph.
-    Arithmetic returns new TaskVectors: ``a + b``, ``a - b``, ``c * a``, ``-a`` (``c`` a finite
-    real number, numpy's too; ValueError for NaN or Inf). Keys and each tensor's shape must
+    Arithmetic returns new TaskVectors: ``a + b``, ``a - b``, ``c * a``, ``-a`` (``c`` a real
+    number, numpy's too, on either side; as for tensors, NaN or Inf gives non-finite deltas,
+    which every merge method refuses). Keys and each tensor's shape must
     match exactly (KeyError / ValueError naming the tensor; nothing is broadcast). Raises
     TypeError, naming the key, for a value that is not a tensor.
 
@@ -155,7 +156,6 @@ class TaskVector(Mapping[str, torch.Tensor]):
     def __mul__(self, scalar: float) -> TaskVector:
         if not isinstance(scalar, numbers.Real) or isinstance(scalar, bool):
             return NotImplemented
-        check_finite_scalar("TaskVector *", scalar)
         return TaskVector({name: delta * scalar for name, delta in self._deltas.items()})
 
     __rmul__ = __mul__

@@ -823,3 +823,27 @@ def test_a_run_copied_into_a_compare_folder_is_refused(tmp_path, monkeypatch, ca
                    "(diloco-R2-H2-s0) vs 256 (dp-s0)")  # fmt: skip
     code, err, _ = run_cli(capsys, *args)
     assert_refused(code, err, "its runs are not one comparison", "val_tokens", "choose a new -o")
+
+
+def test_a_pool_worker_stopped_outside_training_ends_instead_of_returning_its_exit(monkeypatch):
+    """SIGTERM raises SystemExit in a pool worker (so an idle one releases the queue's lock);
+    raised while a cell prepares its data, it must end the worker, not reach the sweep as the
+    cell's result (which would exit the sweep with no message)."""
+    import multiprocessing
+
+    from mergekit_loco.compare import sweep as sweep_module
+
+    def stopped(*args, **kwargs):
+        raise SystemExit(143)
+
+    def pool_worker():  # as the pool would: an exception is the cell's result (exit 99 here)
+        try:
+            sweep_module._run_cell_alone(None, None, None, 1, os.getppid())
+        except BaseException:
+            os._exit(99)
+
+    monkeypatch.setattr(sweep_module, "run_cell", stopped)
+    worker = multiprocessing.get_context("fork").Process(target=pool_worker)
+    worker.start()
+    worker.join(timeout=60)
+    assert worker.exitcode == 143

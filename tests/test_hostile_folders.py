@@ -282,3 +282,24 @@ def test_a_long_output_name_is_written_replaced_and_its_leftovers_cleared(capsys
     code, err, _ = run_cli(capsys, "merge", ft1, "--base", base, "-m", "ta", "-o", out, "--force")
     assert code == 0, err
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["inputs", out.name])
+
+
+def test_a_folder_holding_a_model_and_adapter_weights_is_one_checkpoint(capsys, tmp_path, models):
+    """A folder read as the base (its model.safetensors) given again as its model.safetensors
+    is refused, though the folder also holds adapter weights."""
+    folder = tmp_path / "tuned"
+    folder.mkdir()
+    save_file({"a": torch.full((4,), 2.0)}, folder / "model.safetensors")
+    save_file({"x": torch.ones(1, 2)}, folder / "adapter_model.safetensors")
+    code, err, _ = run_cli(capsys, "merge", folder / "model.safetensors", "--base", folder, "-m",
+                           "ta", "-o", tmp_path / "out")  # fmt: skip
+    assert_refused(code, err, "is the base")
+
+
+def test_the_python_api_takes_any_iterable_of_models(tmp_path, models):
+    from mergekit_loco.merge import merge_checkpoints
+
+    out = tmp_path / "out.safetensors"
+    paths = (models / f"ft{i}.safetensors" for i in (1, 2))  # a generator, read once
+    merge_checkpoints(paths, models / "base.safetensors", "ta", out, progress=False)
+    assert load_file(out)["a"].tolist() == [5.0] * 4  # 1 + (2 - 1) + (4 - 1)

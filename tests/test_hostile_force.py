@@ -198,3 +198,24 @@ def test_force_takes_an_empty_folder_but_not_the_current_one(capsys, tmp_path, i
     code, err, _ = merge(capsys, inputs, ".", "--force")
     assert_refused(code, err, ".: name the output, like -o merged")
     assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("extra", [None, "notes.txt"])
+def test_force_replaces_a_model_folder_with_named_chat_templates(capsys, tmp_path, inputs, extra):
+    """transformers saves a tokenizer's named chat templates in ``additional_chat_templates/``
+    (``NAME.jinja``): a model folder, replaced by ``--force`` (and a run's ``final/`` resumed).
+    Any other file in that folder keeps it from being replaced."""
+    out = tmp_path / "merged"
+    out.mkdir()
+    save_file({"w": torch.zeros(4)}, out / "model.safetensors")
+    (out / "additional_chat_templates").mkdir()
+    (out / "additional_chat_templates" / "tool_use.jinja").write_text("{{ messages }}")
+    if extra:
+        (out / "additional_chat_templates" / extra).write_text("mine")
+    code, err, _ = merge(capsys, inputs, out, "--force")
+    if extra:
+        assert_refused(code, err, str(out), "it holds additional_chat_templates")
+        assert (out / "additional_chat_templates" / extra).read_text() == "mine"
+    else:
+        assert code == 0, err
+        assert load_file(out / "model.safetensors")["w"].tolist() == [1.0] * 4

@@ -358,14 +358,23 @@ def test_an_empty_latest_pointer_resumes_from_the_newest_checkpoint(capsys, tmp_
     assert all(torch.equal(finals[0][name], finals[1][name]) for name in finals[0])
 
 
-def test_a_data_file_whose_name_is_not_utf8_trains(capsys, tmp_path, corpus):
-    """A file name of raw bytes (Latin-1 from another machine) in --data: trained on (before:
-    `error: 'utf-8' codec can't encode characters ...`, naming no file)."""
-    data = tmp_path / "data"
+def test_data_and_run_folders_whose_names_are_not_utf8_train_and_resume(capsys, tmp_path,
+                                                                        corpus):  # fmt: skip
+    """Names of raw bytes (Latin-1 from another machine): a --data folder and a file in it
+    (before: `error: 'utf-8' codec can't encode characters ...`, naming no file) train, and the
+    run's own config.json and state.json, which hold the escaped names, are read back by a
+    resume. A run folder of such a name is refused up front: the tokenizers library cannot
+    save under it (before: refused only after the last round)."""
+    data = Path(os.fsdecode(bytes(tmp_path) + b"/donn\xe9es"))
     shutil.copytree(corpus, data)
     source = next(p for p in sorted(data.rglob("*")) if p.is_file())
     shutil.copy(source, os.fsdecode(bytes(data) + b"/caf\xe9.py"))
-    run = tmp_path / "run"
+    run = Path(os.fsdecode(bytes(tmp_path) + b"/r\xe9sum\xe9"))
     code, err, _ = run_cli(capsys, "train", *TRAIN, f"--data={data}", f"--out={run}")
-    assert code in (0, None), err
+    assert_refused(code, err, "--out", "the path is not UTF-8")
+    assert not run.exists()
+    run = tmp_path / "run"
+    for flags in (["--checkpoint-every=1", "--stop-after=1"], ["--resume"]):
+        code, err, _ = run_cli(capsys, "train", *TRAIN, f"--data={data}", f"--out={run}", *flags)
+        assert code in (0, None), err
     assert (run / "final" / "model.safetensors").is_file()

@@ -225,14 +225,9 @@ def test_apply_to_takes_any_real_scale_and_names_what_it_refuses():
             tv.apply_to(base, scale=scale)
 
 
-def test_scalar_times_task_vector_takes_numpy_scalars_on_either_side_and_refuses_nan():
+def test_scalar_times_task_vector_takes_numpy_scalars_on_either_side():
     tv = vector(w=[1.0, -2.0])
     for product in (np.float64(2) * tv, tv * np.float32(2), np.int64(2) * tv, 2 * tv):
         assert isinstance(product, TaskVector) and product["w"].tolist() == [2.0, -4.0]
-    for scalar in (float("nan"), float("inf"), np.float64("-inf")):
-        with pytest.raises(ValueError, match="must be finite"):
-            scalar * tv
-        with pytest.raises(ValueError, match="must be finite"):
-            tv * scalar
     with pytest.raises(TypeError, match="apply_to: base must map tensor names to tensors"):
         tv.apply_to([torch.zeros(2)])

@@ -68,9 +68,14 @@ def user_errors(command: Command) -> Command:
 def path_parser(value: str) -> Path:
     """A path option or argument (typer's ``parser=``): an empty one, such as an unset shell
     variable gives, is refused instead of becoming ``Path("") == "."``, the current folder."""
+    return Path(path_text_parser(value))
+
+
+def path_text_parser(value: str) -> str:
+    """:func:`path_parser` for an option kept as text (a folder read later, a list)."""
     if not value.strip():
         raise typer.BadParameter("an empty path (an unset shell variable?); give a path")
-    return Path(value)
+    return value
 
 
 def parse_choice(option: str, value: str, choices: Sequence[str]) -> str:

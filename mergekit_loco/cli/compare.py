@@ -14,12 +14,13 @@ from mergekit_loco.cli.common import (
     Debug,
     Quiet,
     path_parser,
+    path_text_parser,
     print_error,
     print_warning,
     user_errors,
 )
 from mergekit_loco.console import output_console
-from mergekit_loco.run_layout import check_output_parent
+from mergekit_loco.run_layout import check_output_parent, check_run_folder_name
 
 MODES = ("aggregators", "merge")
 DEFAULT_AGGREGATORS = "diloco,isoloco,isoloco-ns,ties,tsv,iso-cts"
@@ -202,7 +203,10 @@ def compare_command(
         Path | None, typer.Option(help="merge: the pre-trained checkpoint.", parser=path_parser)
     ] = None,
     finetuned: Annotated[
-        str | None, typer.Option(help="merge: fine-tuned checkpoints, comma-separated.")
+        str | None,
+        typer.Option(
+            help="merge: fine-tuned checkpoints, comma-separated.", parser=path_text_parser
+        ),
     ] = None,
     methods: Annotated[
         str, typer.Option(help=f"merge: methods, comma-separated ({', '.join(method_names())}).")
@@ -214,7 +218,10 @@ def compare_command(
         int, typer.Option(help="merge: held-out tokens per domain (half choose the scale).")
     ] = 32768,
     tokenizer: Annotated[
-        str | None, typer.Option(help="merge: tokenizer folder (default: the base's).")
+        str | None,
+        typer.Option(
+            help="merge: tokenizer folder (default: the base's).", parser=path_text_parser
+        ),
     ] = None,
     seed: Annotated[
         int, typer.Option(help="merge: the fine-tunes' seed (it chose their held-out split).")
@@ -234,6 +241,7 @@ def compare_command(
         raise ValueError(f"--mode must be one of {', '.join(MODES)}, not {mode!r}")
     check_mode_options(ctx, mode)
     check_output_parent(output, "-o")
+    check_run_folder_name(output, "-o")
     if mode == "merge":
         if base is None or finetuned is None or data is None:
             raise ValueError("--mode merge needs --base, --finetuned and --data")
@@ -350,7 +358,8 @@ def eval_command(
     tokens: Annotated[int, typer.Option(help="Held-out tokens per dataset.")] = 65536,
     seq_len: Annotated[int, typer.Option(help="Tokens per evaluated window.")] = 128,
     tokenizer: Annotated[
-        str | None, typer.Option(help="Tokenizer folder (default: each model's own).")
+        str | None,
+        typer.Option(help="Tokenizer folder (default: each model's own).", parser=path_text_parser),
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the held-out split (as in training).")] = 0,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",

@@ -18,12 +18,13 @@ from mergekit_loco.cli.common import (
     Debug,
     one_line,
     path_parser,
+    path_text_parser,
     print_error,
     user_errors,
 )
 from mergekit_loco.cli.threads import choose_threads
 from mergekit_loco.option_text import option_pairs
-from mergekit_loco.run_layout import check_output_parent, check_resumable
+from mergekit_loco.run_layout import check_output_parent, check_resumable, check_run_folder_name
 from mergekit_loco.train.config import (
     DEFAULT_TOKENS,
     PRESETS,
@@ -166,7 +167,10 @@ def train_command(
         ),
     ] = None,
     tokenizer: Annotated[
-        str | None, typer.Option(help="A tokenizer folder (default: BPE trained on the data).")
+        str | None,
+        typer.Option(
+            help="A tokenizer folder (default: BPE trained on the data).", parser=path_text_parser
+        ),
     ] = None,
     vocab_size: Annotated[
         int | None,
@@ -217,7 +221,10 @@ def train_command(
         bool, typer.Option("--force", help="Start over in an --out that holds a run.")
     ] = False,
     init: Annotated[
-        str | None, typer.Option(help="Start from this HF folder / safetensors (fine-tuning).")
+        str | None,
+        typer.Option(
+            help="Start from this HF folder / safetensors (fine-tuning).", parser=path_text_parser
+        ),
     ] = None,
     config: Annotated[
         Path | None,
@@ -344,6 +351,7 @@ def train_command(
     )  # fmt: skip
     check_not_resume_and_force(config, flags)
     run_config = resolve_config(config, **flags)
+    check_run_folder_name(Path(run_config.run.out), "--out")
     if run_config.checkpoint.resume:
         check_resumable(Path(run_config.run.out))
     else:

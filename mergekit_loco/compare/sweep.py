@@ -290,10 +290,14 @@ def check_same_run(config: TrainConfig, run_dir: Path) -> None:
 def _run_cell_alone(sweep: Sweep, cell: Cell, run_dir: Path, threads: int, parent: int) -> str:
     """:func:`run_cell` in a pool process, with ``threads`` torch threads. If the sweep process
     ``parent`` died meanwhile (its SIGTERM stopped the cell, :func:`die_with_parent`), the
-    worker ends with the cell: no one is left to take its result or give it another."""
+    worker ends with the cell: no one is left to take its result or give it another. A
+    SIGTERM outside training's own handler (:func:`exit_on_sigterm`: tokenizer, data, cleanup)
+    ends the worker too, instead of sending its SystemExit to the sweep as the cell's result."""
     torch.set_num_threads(threads)
     try:
         return run_cell(sweep, cell, run_dir)
+    except SystemExit as stop:
+        os._exit(stop.code if isinstance(stop.code, int) else 128 + signal.SIGTERM)
     finally:
         if os.getppid() != parent:
             os._exit(128 + signal.SIGTERM)

@@ -48,6 +48,8 @@ OWNER_MARKER = ".mloco-output.json"
 #: output: a folder that holds only it is empty, and nothing ever deletes it.
 LOCK_FILE = ".mloco-lock"
 #: File names a checkpoint folder may hold (besides ``*.safetensors`` and index files).
+#: The folder of a tokenizer's named chat templates (``NAME.jinja``), beside its files.
+CHAT_TEMPLATES = "additional_chat_templates"
 CHECKPOINT_SIDE_FILES = frozenset(
     {
         "config.json",
@@ -197,15 +199,26 @@ def foreign_entry(path: Path) -> Path | None:
             entry
             for entry in entries
             if entry.is_symlink()
-            or not entry.is_file()
+            or not (entry.is_file() or entry.name == CHAT_TEMPLATES)
             or not (
                 entry.suffix == ".safetensors"
                 or entry.name.endswith(INDEX_SUFFIX)
                 or entry.name in CHECKPOINT_SIDE_FILES
                 or entry.name == ADAPTER_CONFIG
+                or (entry.name == CHAT_TEMPLATES and only_templates(entry))
             )
         ),
         None,
+    )
+
+
+def only_templates(folder: Path) -> bool:
+    """``folder`` is a real folder of regular ``*.jinja`` files (a tokenizer's named chat
+    templates, as transformers' ``save_pretrained`` writes them)."""
+    if folder.is_symlink() or not folder.is_dir():
+        return False
+    return all(
+        not e.is_symlink() and e.is_file() and e.suffix == ".jinja" for e in folder.iterdir()
     )
 
 

@@ -29,11 +29,12 @@ class UnsafeInputError(ValueError):
 
 
 def shown(value: object) -> str:
-    """``value`` as text safe for a one-line message: control/format characters escaped."""
+    """``value`` as text safe for a one-line message: control/format characters escaped, and
+    the lone surrogates of a non-UTF-8 file name (``\\udce9``), which no UTF-8 stream takes."""
     text = str(value)
     return "".join(
         char.encode("unicode_escape").decode("ascii")
-        if unicodedata.category(char) in ("Cc", "Cf", "Zl", "Zp")
+        if unicodedata.category(char) in ("Cc", "Cf", "Zl", "Zp", "Cs")
         else char
         for char in text
     )
@@ -121,11 +122,7 @@ def _no_constant(name: str) -> object:
 
 
 def unique_keys(pairs: list[tuple[str, object]]) -> dict:
-    """``dict(pairs)``, refusing a key that appears twice or a key or string value that is no
-    Unicode text (a lone surrogate escape such as ``"\\ud800"``, which UTF-8 cannot hold)."""
-    for key, value in pairs:
-        if not (is_text(key) and all_text(value)):
-            raise ValueError(f"a string at key {ascii(key)[:80]} holds a lone surrogate")
+    """``dict(pairs)``, refusing a key that appears twice."""
     result = dict(pairs)
     if len(result) != len(pairs):
         seen = set()
@@ -134,6 +131,15 @@ def unique_keys(pairs: list[tuple[str, object]]) -> dict:
                 raise ValueError(f"key {shown(key)[:80]!r} appears twice")
             seen.add(key)
     return result
+
+
+def unique_text_keys(pairs: list[tuple[str, object]]) -> dict:
+    """:func:`unique_keys`, also refusing a key or string value that is no Unicode text (a
+    lone surrogate escape such as ``"\\ud800"``, which UTF-8 cannot hold)."""
+    for key, value in pairs:
+        if not (is_text(key) and all_text(value)):
+            raise ValueError(f"a string at key {ascii(key)[:80]} holds a lone surrogate")
+    return unique_keys(pairs)
 
 
 def is_text(text: str) -> bool:
@@ -159,10 +165,12 @@ def json_int(literal: str) -> int | float:
     return -0.0 if literal == "-0" else int(literal)
 
 
-def parse_json(raw: bytes, where: str) -> object:
-    """Strict JSON: UTF-8, no NaN/Infinity, no duplicate keys, no lone surrogate escape in a
-    key or string value, ``-0`` read as a float, nesting bounded by the interpreter's recursion
-    limit (a deeper text is refused, never a ``RecursionError``).
+def parse_json(raw: bytes, where: str, text_only: bool = False) -> object:
+    """Strict JSON: UTF-8, no NaN/Infinity, no duplicate keys, ``-0`` read as a float, nesting
+    bounded by the interpreter's recursion limit (a deeper text is refused, never a
+    ``RecursionError``); with ``text_only`` no lone surrogate escape in a key or string value
+    either (safetensors refuses them; mloco's own files may hold one: a non-UTF-8 path that
+    ``json.dumps`` escaped).
 
     Raises :class:`UnsafeInputError` naming ``where`` (never quoting the bytes).
     """
@@ -171,8 +179,9 @@ def parse_json(raw: bytes, where: str) -> object:
     except UnicodeDecodeError as error:
         raise UnsafeInputError(f"{where}: not UTF-8 (at byte {error.start})") from None
     try:
+        hook = unique_text_keys if text_only else unique_keys
         return json.loads(
-            text, object_pairs_hook=unique_keys, parse_constant=_no_constant, parse_int=json_int
+            text, object_pairs_hook=hook, parse_constant=_no_constant, parse_int=json_int
         )
     except json.JSONDecodeError as error:
         raise UnsafeInputError(

@@ -121,7 +121,7 @@ def read_header(file: Path) -> dict[str, TensorEntry]:
     if not raw_header.startswith(b"{"):
         raise CheckpointError(f"{where}: bad JSON header (not an object)")
     try:
-        header = parse_json(raw_header, f"{where}: bad JSON header")
+        header = parse_json(raw_header, f"{where}: bad JSON header", text_only=True)
     except UnsafeInputError as error:
         raise CheckpointError(str(error)) from None
     data_start = LENGTH_PREFIX_BYTES + header_bytes
