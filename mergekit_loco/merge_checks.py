@@ -13,7 +13,7 @@ import torch
 
 from mergekit_loco.io import CheckpointError, CheckpointReader
 from mergekit_loco.io.atomic import INDEX_SUFFIX
-from mergekit_loco.io.lora import ADAPTER_WEIGHTS
+from mergekit_loco.io.lora import ADAPTER_WEIGHTS, is_lora_adapter
 from mergekit_loco.io.reader import INDEX_FILE, SINGLE_FILE, read_index
 
 
@@ -36,11 +36,12 @@ def identity(path: Path) -> tuple[int, int] | None:
     return status.st_dev, status.st_ino
 
 
-def weight_files(path: Path) -> frozenset[tuple[int, int]]:
+def weight_files(path: Path, as_base: bool = False) -> frozenset[tuple[int, int]]:
     """The weight files a checkpoint path is read from (:func:`identity` of each): a file
-    itself, a folder's ``model.safetensors`` and adapter weights (either may be read, as a base
-    or as a model), the shards of an index (a folder's or the file's). Empty when none can be
-    looked at (the reader then says why)."""
+    itself, the shards of an index (a folder's or the file's), a folder's adapter weights (a
+    LoRA adapter folder given as a model) or its ``model.safetensors`` (any other folder, and
+    every folder given as the base). Empty when none can be looked at (the reader then says
+    why)."""
     index = path / INDEX_FILE if path.is_dir() else path
     files = [path]
     if index.name.endswith(INDEX_SUFFIX) and index.is_file():
@@ -49,22 +50,24 @@ def weight_files(path: Path) -> frozenset[tuple[int, int]]:
         except CheckpointError:
             files = []
     elif path.is_dir():
-        files = [path / SINGLE_FILE, path / ADAPTER_WEIGHTS]
+        adapter = not as_base and is_lora_adapter(path)
+        files = [path / (ADAPTER_WEIGHTS if adapter else SINGLE_FILE)]
     return frozenset(key for key in map(identity, files) if key is not None)
 
 
-def same_checkpoint(first: Path, second: Path) -> bool:
+def same_checkpoint(first: Path, second: Path, second_is_base: bool = False) -> bool:
     """``first`` and ``second`` lead to one checkpoint: equal paths, one through links, the
     same set of weight files (a sharded folder and its index file), or a weights file and a
     folder that holds it (:func:`weight_files`). Two models that merely share a shard (a
     frozen shard hard-linked by a dedup tool, one blob of the Hugging Face cache under two
-    revisions) are two checkpoints."""
+    revisions) are two checkpoints. ``second_is_base``: ``second`` is read as the base
+    (:func:`weight_files`)."""
     if first == second:
         return True
     key = identity(first)
     if key is not None and key == identity(second):
         return True
-    ours, theirs = weight_files(first), weight_files(second)
+    ours, theirs = weight_files(first), weight_files(second, as_base=second_is_base)
     if not (ours and theirs):
         return False
     return (
@@ -85,7 +88,7 @@ def check_distinct(models: Sequence[Path], base: Path | None) -> None:
     :class:`CheckpointError` naming the path and saying what to do instead."""
     seen: list[Path] = []
     for path in models:
-        if base is not None and same_checkpoint(path, base):
+        if base is not None and same_checkpoint(path, base, second_is_base=True):
             raise CheckpointError(
                 f"{path}: is the base ({base}) given again as a model; its task vector "
                 "(model - base) is zero, so leave it out of the models"

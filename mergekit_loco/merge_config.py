@@ -366,7 +366,9 @@ def load_merge_config(path: str | Path) -> ConfiguredMerge:
     check_listed_once(path, entries)
     if base is not None and method != "linear":
         entries = [
-            (model, parameters) for model, parameters in entries if not same_checkpoint(model, base)
+            (model, parameters)
+            for model, parameters in entries
+            if not same_checkpoint(model, base, second_is_base=True)
         ]
         if not entries:
             raise MergeConfigError(

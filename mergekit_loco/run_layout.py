@@ -19,6 +19,7 @@ sweep, a sweep into a run or a merged model, a report into either.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from mergekit_loco.io.atomic import (
@@ -70,15 +71,16 @@ def check_output_parent(output: Path, option: str) -> None:
 
 
 def check_run_folder_name(out: Path, option: str) -> None:
-    """Refuse a training run's folder (``--out``, compare's ``-o``) whose path is not UTF-8 (raw
-    bytes from another machine's encoding): the run's final tokenizer could not be written
-    there (the tokenizers library takes only UTF-8 paths), after all its rounds."""
+    """Refuse a training run's or comparison's folder (``--out``, compare's ``-o``) whose
+    absolute path is not UTF-8 (raw bytes from another machine's encoding, in the name or a
+    folder above it): the run's final tokenizer (the tokenizers library takes only UTF-8 paths)
+    or the comparison's tables could not be written there, after all the training."""
     try:
-        str(out).encode("utf-8")
+        os.path.abspath(out).encode("utf-8")  # as written: a run's paths become absolute
     except UnicodeEncodeError:
         raise OutputRefused(
-            f"{option} {shown(out)}: the path is not UTF-8, and a run's tokenizer can only be "
-            "saved under a UTF-8 path; choose another name"
+            f"{option} {shown(out)}: the path is not UTF-8 (a run's tokenizer and a "
+            "comparison's tables are written only under UTF-8 paths); choose another name"
         ) from None
 
 

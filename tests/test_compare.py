@@ -825,25 +825,17 @@ def test_a_run_copied_into_a_compare_folder_is_refused(tmp_path, monkeypatch, ca
     assert_refused(code, err, "its runs are not one comparison", "val_tokens", "choose a new -o")
 
 
-def test_a_pool_worker_stopped_outside_training_ends_instead_of_returning_its_exit(monkeypatch):
+def test_a_pool_worker_stopped_outside_training_is_an_interrupted_cell(monkeypatch):
     """SIGTERM raises SystemExit in a pool worker (so an idle one releases the queue's lock);
-    raised while a cell prepares its data, it must end the worker, not reach the sweep as the
-    cell's result (which would exit the sweep with no message)."""
-    import multiprocessing
-
+    raised while a cell prepares its data, it is the cell's TrainingInterrupted, which the sweep
+    reports as an interruption (exit 130, one line), not the worker's exit or a traceback."""
     from mergekit_loco.compare import sweep as sweep_module
+    from mergekit_loco.train.signals import TrainingInterrupted
 
     def stopped(*args, **kwargs):
         raise SystemExit(143)
 
-    def pool_worker():  # as the pool would: an exception is the cell's result (exit 99 here)
-        try:
-            sweep_module._run_cell_alone(None, None, None, 1, os.getppid())
-        except BaseException:
-            os._exit(99)
-
     monkeypatch.setattr(sweep_module, "run_cell", stopped)
-    worker = multiprocessing.get_context("fork").Process(target=pool_worker)
-    worker.start()
-    worker.join(timeout=60)
-    assert worker.exitcode == 143
+    cell = sweep_module.Cell("diloco", 2, 2, 0)
+    with pytest.raises(TrainingInterrupted, match="stopped before it trained"):
+        sweep_module._run_cell_alone(None, cell, None, 1, os.getppid())

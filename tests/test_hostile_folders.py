@@ -303,3 +303,19 @@ def test_the_python_api_takes_any_iterable_of_models(tmp_path, models):
     paths = (models / f"ft{i}.safetensors" for i in (1, 2))  # a generator, read once
     merge_checkpoints(paths, models / "base.safetensors", "ta", out, progress=False)
     assert load_file(out)["a"].tolist() == [5.0] * 4  # 1 + (2 - 1) + (4 - 1)
+
+
+def test_a_lora_folder_is_its_adapter_as_a_model_and_its_model_file_as_the_base(tmp_path):
+    """A LoRA adapter folder that also holds the model it adapts: given as a model it is read as
+    its adapter, so its model.safetensors as the base is another checkpoint; given as the base
+    it is read as its model.safetensors."""
+    from mergekit_loco.merge_checks import same_checkpoint
+
+    folder = tmp_path / "a1"
+    folder.mkdir()
+    save_file({"a": torch.ones(4)}, folder / "model.safetensors")
+    save_file({"x": torch.ones(1, 2)}, folder / "adapter_model.safetensors")
+    (folder / "adapter_config.json").write_text("{}")
+    assert not same_checkpoint(folder, folder / "model.safetensors", second_is_base=True)
+    assert same_checkpoint(folder, folder / "adapter_model.safetensors")
+    assert same_checkpoint(folder / "model.safetensors", folder, second_is_base=True)

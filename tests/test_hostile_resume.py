@@ -358,8 +358,9 @@ def test_an_empty_latest_pointer_resumes_from_the_newest_checkpoint(capsys, tmp_
     assert all(torch.equal(finals[0][name], finals[1][name]) for name in finals[0])
 
 
-def test_data_and_run_folders_whose_names_are_not_utf8_train_and_resume(capsys, tmp_path,
-                                                                        corpus):  # fmt: skip
+def test_data_and_run_folders_whose_names_are_not_utf8_train_and_resume(
+    capsys, tmp_path, corpus, monkeypatch
+):
     """Names of raw bytes (Latin-1 from another machine): a --data folder and a file in it
     (before: `error: 'utf-8' codec can't encode characters ...`, naming no file) train, and the
     run's own config.json and state.json, which hold the escaped names, are read back by a
@@ -369,10 +370,11 @@ def test_data_and_run_folders_whose_names_are_not_utf8_train_and_resume(capsys, 
     shutil.copytree(corpus, data)
     source = next(p for p in sorted(data.rglob("*")) if p.is_file())
     shutil.copy(source, os.fsdecode(bytes(data) + b"/caf\xe9.py"))
-    run = Path(os.fsdecode(bytes(tmp_path) + b"/r\xe9sum\xe9"))
-    code, err, _ = run_cli(capsys, "train", *TRAIN, f"--data={data}", f"--out={run}")
-    assert_refused(code, err, "--out", "the path is not UTF-8")
-    assert not run.exists()
+    for out in (os.fsdecode(bytes(tmp_path) + b"/r\xe9sum\xe9"), "run"):  # ./run inside donn\xe9es/
+        monkeypatch.chdir(data if out == "run" else tmp_path)
+        code, err, _ = run_cli(capsys, "train", *TRAIN, f"--data={data}", f"--out={out}")
+        assert_refused(code, err, "--out", "the path is not UTF-8")
+        assert not Path(out).exists()
     run = tmp_path / "run"
     for flags in (["--checkpoint-every=1", "--stop-after=1"], ["--resume"]):
         code, err, _ = run_cli(capsys, "train", *TRAIN, f"--data={data}", f"--out={run}", *flags)

@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,7 @@ from mergekit_loco.train.config import TrainConfig, preset_config
 from mergekit_loco.train.loop import train
 from mergekit_loco.train.model import check_seq_len, model_config
 from mergekit_loco.train.run_folder import run_inputs
+from mergekit_loco.train.signals import TrainingInterrupted
 from mergekit_loco.train.sources import BUILTIN_SOURCES
 
 
@@ -292,12 +294,12 @@ def _run_cell_alone(sweep: Sweep, cell: Cell, run_dir: Path, threads: int, paren
     ``parent`` died meanwhile (its SIGTERM stopped the cell, :func:`die_with_parent`), the
     worker ends with the cell: no one is left to take its result or give it another. A
     SIGTERM outside training's own handler (:func:`exit_on_sigterm`: tokenizer, data, cleanup)
-    ends the worker too, instead of sending its SystemExit to the sweep as the cell's result."""
+    is the cell's :class:`TrainingInterrupted`, as one inside it is."""
     torch.set_num_threads(threads)
     try:
         return run_cell(sweep, cell, run_dir)
-    except SystemExit as stop:
-        os._exit(stop.code if isinstance(stop.code, int) else 128 + signal.SIGTERM)
+    except SystemExit:
+        raise TrainingInterrupted(f"{cell.name}: stopped before it trained") from None
     finally:
         if os.getppid() != parent:
             os._exit(128 + signal.SIGTERM)
@@ -453,6 +455,9 @@ def run_cells(
                 for job in finished:
                     count += 1
                     done(count, running.pop(job), job.result())
+        except BrokenProcessPool:  # a worker killed (OOM, SIGKILL): the others are stopped too
+            stop_workers(pool)
+            raise TrainingInterrupted("a cell's process died (killed?)") from None
         except BaseException:
             stop_workers(pool)
             raise
