@@ -230,6 +230,8 @@ def test_threads_are_bounded(capsys, tmp_path):
             "tokens must be an integer in [0, 2**63), got an integer of about 401 digits",
         ),
         ('{"vocab_size": 1e12}', "vocab_size must be at most 2**20, got 1000000000000"),
+        ('{"init": ""}', "init: an empty path (it would mean the current folder)"),
+        ('{"tokenizer": " "}', "tokenizer: an empty path (it would mean the current folder)"),
     ],
 )
 def test_config_file_values_are_one_line_naming_the_option(capsys, tmp_path, text, expected):
@@ -264,6 +266,8 @@ def test_a_typo_under_aggregator_options_names_the_file(capsys, tmp_path, aggreg
         (dict(seed=2**64), "seed must be an integer in [0, 2**63), got 18446744073709551616"),
         (dict(data=["stdlib"]), "flags: option 'data' expects str, got ['stdlib']"),
         (dict(betas=(0.9, float("nan"))), "betas must be two numbers in [0, 1), got (0.9, nan)"),
+        (dict(init=""), "init: an empty path (it would mean the current folder)"),
+        (dict(out=" "), "out: an empty path (it would mean the current folder)"),
     ],
 )
 def test_the_api_checks_as_the_cli_does(overrides, message):

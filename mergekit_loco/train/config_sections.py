@@ -27,6 +27,14 @@ def _check_at_least(minimum: int, **values: int) -> None:
             raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
+def check_not_empty_path(**paths: str | None) -> None:
+    """ValueError naming the option whose path is an empty string (an unset variable in a
+    config file): it would mean the current folder."""
+    for option, path in paths.items():
+        if isinstance(path, str) and not path.strip():
+            raise ValueError(f"{option}: an empty path (it would mean the current folder)")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """``name``: a preset (micro, nano, 178m, 512m) or a causal-LM config.json; ``init``: start
@@ -34,6 +42,9 @@ class ModelConfig:
 
     name: str = "nano"
     init: str | None = None
+
+    def __post_init__(self):
+        check_not_empty_path(init=self.init)
 
 
 @dataclass(frozen=True)
@@ -55,6 +66,7 @@ class DataConfig:
     val_seed: int | None = None
 
     def __post_init__(self):
+        check_not_empty_path(tokenizer=self.tokenizer)
         _check_at_least(1, vocab_size=self.vocab_size, global_batch=self.global_batch)
         _check_at_least(2, seq_len=self.seq_len)
         if self.val_tokens < self.seq_len:
@@ -171,6 +183,7 @@ class RunConfig:
     quiet: bool = False
 
     def __post_init__(self):
+        check_not_empty_path(out=self.out)
         check_choice("mode", self.mode, MODES)
         check_choice("device", self.device, DEVICES)
         _check_at_least(1, workers=self.workers)
