@@ -185,7 +185,12 @@ class TaskVector(Mapping[str, torch.Tensor]):
             )
         if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
             raise TypeError(f"apply_to: scale must be a real number, not {scale!r}")
-        check_finite_scalar("apply_to: scale", scale)
+        try:
+            finite = math.isfinite(scale)
+        except OverflowError:  # an int beyond float's range
+            finite = False
+        if not finite:
+            raise ValueError(f"apply_to: scale {scale!r}: the scalar must be finite")
         unknown = [name for name in self._deltas if name not in base]
         if unknown:
             raise KeyError(f"apply_to: the base has no tensor {unknown[0]!r} (a delta names it)")
@@ -203,17 +208,6 @@ class TaskVector(Mapping[str, torch.Tensor]):
                 base_tensor.dtype
             )
         return merged
-
-
-def check_finite_scalar(what: str, value: numbers.Real) -> None:
-    """ValueError naming ``what`` unless ``value`` is finite (NaN or Inf would fill every
-    delta with it)."""
-    try:
-        finite = math.isfinite(value)
-    except OverflowError:  # an int beyond float's range
-        finite = False
-    if not finite:
-        raise ValueError(f"{what} {value!r}: the scalar must be finite")
 
 
 def check_same_shape(name: str, delta: torch.Tensor, other: torch.Tensor, whose: str) -> None:

@@ -123,9 +123,9 @@ def test_plan_refuses_unmatched_budgets_and_bad_splits():
 def test_outer_lr_grid_multipliers_and_absolute_values():
     grid = Grid.parse(["0.5,1,2", "isoloco=1.2,1.8"])
     # (multiplier or value as given, the lr a cell trains with); the preset's own lr is None
-    assert grid.settings("diloco", 0.7) == [(0.5, 0.35), (1, None), (2, 1.4)]
-    assert grid.settings("isoloco", 1.8) == [(1.2, 1.2), (1.8, None)]
-    assert Grid().settings("tsv", 0.6) == [(None, None)]
+    assert grid.values("diloco", 0.7) == [0.35, None, 1.4]  # the preset's own lr is None
+    assert grid.values("isoloco", 1.8) == [1.2, None]
+    assert Grid().values("tsv", 0.6) == [None]
     sweep = Sweep(["diloco", "isoloco"], [2], inner_steps=[2], outer_lr_grid=grid,
                   baseline=False, shared={**TOY, "tokens": 1024})  # fmt: skip
     lrs = {(c.aggregator, c.outer_lr) for c in plan(sweep)}
@@ -145,9 +145,9 @@ def test_outer_lr_grid_multipliers_and_absolute_values():
 
 def test_outer_momentum_grid_applies_to_presets_with_momentum():
     grid = Grid.parse(["0.8,0.95"], option="--outer-momentum-grid", relative=False)
-    assert grid.settings("diloco", 0.9) == [(0.8, 0.8), (0.95, 0.95)]
-    assert grid.settings("tsv", 0.0) == [(None, None)]  # no momentum: not swept unless named
-    assert Grid.parse(["tsv=0.5"], relative=False).settings("tsv", 0.0) == [(0.5, 0.5)]
+    assert grid.values("diloco", 0.9) == [0.8, 0.95]
+    assert grid.values("tsv", 0.0) == [None]  # no momentum: not swept unless named
+    assert Grid.parse(["tsv=0.5"], relative=False).values("tsv", 0.0) == [0.5]
     lr_grid = Grid.parse(["diloco=0.7,1.4"])
     sweep = Sweep(["diloco", "tsv"], [2], inner_steps=[2], seeds=[3, 5],
                   outer_lr_grid=lr_grid, outer_momentum_grid=grid, baseline=False,

@@ -124,13 +124,10 @@ class Grid:
                 default = numbers
         return cls(default, named, relative, option)
 
-    def settings(
-        self, aggregator: str, preset_value: float
-    ) -> list[tuple[float | None, float | None]]:
-        """(grid value as given, value a cell trains with) for each grid value of
-        ``aggregator``: a relative default multiplies ``preset_value``; the preset's own value
-        is written None (one cell name for it with and without a grid). ``[(None, None)]``: not
-        swept (an absolute grid skips presets without momentum, 0, unless it names them).
+    def values(self, aggregator: str, preset_value: float) -> list[float | None]:
+        """The values for ``aggregator``: a relative default multiplies ``preset_value``; the
+        preset's own is written None (one cell name for it with and without a grid). An
+        absolute grid skips presets without momentum (0) unless it names them.
 
         Refuses two values that agree to the 6 significant digits a cell's name shows
         (``lr0.35``) and the report reads (:func:`~mergekit_loco.compare.runs.setting_value`):
@@ -143,14 +140,13 @@ class Grid:
         elif self.default and preset_value > 0:
             given, scale = self.default, 1.0
         else:
-            return [(None, None)]
+            return [None]
         tolerance = 1e-12 * abs(preset_value)
-        settings: list[tuple[float | None, float | None]] = []
-        shown: dict[float | None, float] = {}
+        values: list[float | None] = []
+        shown: dict[float, float] = {}
         for value in given:
             trained = value * scale
-            setting = None if abs(trained - preset_value) <= tolerance else trained
-            digits = setting_value(preset_value if setting is None else setting)
+            digits = setting_value(trained)
             if digits in shown:
                 raise ValueError(
                     f"{self.option}: {shown[digits]} and {value} give {aggregator} the value "
@@ -158,8 +154,8 @@ class Grid:
                     "would take their cells for one; give values that differ in those digits"
                 )
             shown[digits] = value
-            settings.append((value, setting))
-        return settings
+            values.append(None if abs(trained - preset_value) <= tolerance else trained)
+        return values
 
 
 @dataclass(frozen=True)
@@ -181,7 +177,7 @@ class Sweep:
 def plan(sweep: Sweep) -> list[Cell]:
     """Every cell of ``sweep``, baseline first. Checks up front that the grids name swept
     aggregators, that no two cells share a name (a list option or grid holding one value
-    twice, or grid values a name shows alike: :meth:`Grid.settings`), that the global batch
+    twice, or grid values a name shows alike: :meth:`Grid.values`), that the global batch
     splits over every R, and that every cell trains on the same number of tokens (a budget of
     whole rounds for every H)."""
     for grid in (sweep.outer_lr_grid, sweep.outer_momentum_grid):
@@ -200,12 +196,12 @@ def plan(sweep: Sweep) -> list[Cell]:
     for aggregator in sweep.aggregators:
         first = Cell(aggregator, sweep.workers[0], sweep.inner_steps[0], sweep.seeds[0])
         preset = cell_config(sweep, first, Path())
-        lrs = sweep.outer_lr_grid.settings(aggregator, preset.outer.lr)
-        momenta = sweep.outer_momentum_grid.settings(aggregator, preset.outer.momentum)
+        lrs = sweep.outer_lr_grid.values(aggregator, preset.outer.lr)
+        momenta = sweep.outer_momentum_grid.values(aggregator, preset.outer.momentum)
         for inner_steps in sweep.inner_steps:
             for workers in sweep.workers:
-                for _, lr in lrs:
-                    for _, momentum in momenta:
+                for lr in lrs:
+                    for momentum in momenta:
                         cells += [Cell(aggregator, workers, inner_steps, seed, lr, momentum)
                                   for seed in sweep.seeds]  # fmt: skip
     configs = {cell.inner_steps: cell_config(sweep, cell, Path()) for cell in cells}

@@ -71,7 +71,7 @@ class TensorEntry:
     shape: tuple[int, ...]
     begin: int
     end: int
-    stamp: tuple[int, ...] = ()
+    stamp: tuple[int, ...]
 
 
 def file_stamp(descriptor: int) -> tuple[int, ...]:
@@ -164,7 +164,7 @@ def check_tiling(
 
 
 def parse_entry(
-    file: Path, name: str, info: object, data_start: int, stamp: tuple[int, ...] = ()
+    file: Path, name: str, info: object, data_start: int, stamp: tuple[int, ...]
 ) -> TensorEntry:
     """One header entry -> :class:`TensorEntry`, checking ``end - begin = numel * itemsize``."""
 
@@ -305,7 +305,7 @@ class CheckpointReader:
         entry = self.entry(name)
         handle = self._handle(entry.file)
         stamp = file_stamp(handle.fileno())
-        if entry.stamp and stamp != entry.stamp:
+        if stamp != entry.stamp:
             raise CheckpointError(
                 f"{shown(entry.file)}: changed since its header was read (replaced, cut or "
                 f"rewritten while being read: {stamp[2]} bytes, {entry.stamp[2]} then); run "
