@@ -471,6 +471,25 @@ def test_tuning_uses_only_settings_finished_on_every_seed_at_every_r(tmp_path):
     assert "tuned without outer lr 0.35, momentum 0.9" in output.getvalue()
 
 
+def test_tuning_keeps_an_r_that_finished_one_setting_and_breaks_ties_low(tmp_path):
+    """R = 4 finished only lr 0.7 while R = 2 swept 0.35 / 0.7 / 1.4: R = 4 takes part and the
+    settings it lacks are incomplete (before, R = 4 dropped out and R = 2 alone chose, unsaid).
+    Two settings of equal mean loss: the lower lr is chosen, whatever the order of the runs."""
+    for lr, loss in ((0.35, 4.5), (0.7, 4.6), (1.4, 4.4)):
+        write_run(tmp_path, f"diloco-R2-lr{lr}", "diloco", 2, 0, loss, outer_lr=lr)
+    write_run(tmp_path, "diloco-R4-lr0.7", "diloco", 4, 0, 4.9, outer_lr=0.7)
+    summary = sweep_report.summarize(runs.load_runs(tmp_path))
+    [tuned] = sweep_report.tuned_settings(summary)
+    assert tuned["workers"] == [2, 4] and tuned["outer_lr"] == 0.7
+    assert tuned["incomplete"] == ["outer lr 0.35, momentum 0.9", "outer lr 1.4, momentum 0.9"]
+    tied = tmp_path / "tied"
+    for lr in (1.4, 0.7, 0.35, 2.8):  # 0.7 and 1.4 tie at 4.3, 0.35 and 2.8 lie above
+        write_run(tied, f"diloco-R2-lr{lr}", "diloco", 2, 0, 4.3 if lr in (0.7, 1.4) else 4.5,
+                  outer_lr=lr)  # fmt: skip
+    [tuned] = sweep_report.tuned_settings(sweep_report.summarize(runs.load_runs(tied)))
+    assert tuned["outer_lr"] == 0.7
+
+
 # -- the staged protocol's decisions (docs/results/aggregators_tuned.py) ---------------------------
 def test_protocol_decisions_by_hand(tmp_path, capsys):
     decide = load_script("aggregators_tuned")
@@ -552,6 +571,37 @@ def test_protocol_decisions_by_hand(tmp_path, capsys):
     write_run(tmp_path, "ties-R4-s900", "ties", 4, 900, None)  # and unfinished
     assert decide.main(["flags", str(tmp_path)]) == 1
     assert "1 unfinished run(s) (ties-R4-s900)" in capsys.readouterr().err
+    # the lowest momentum is an edge to extend above the floor (0.1), and accepted at it
+    floor = tmp_path / "floor"
+    at_lowest = [
+        {
+            **tuned[0],
+            "outer_momentum": 0.2,
+            "grid_edges": ["outer momentum: lowest tried"],
+            "grid_edges_at_R": {"2": ["outer momentum: lowest tried"], "8": []},
+        }
+    ]
+    (floor / "runs").mkdir(parents=True)
+    (floor / sweep_report.TUNED_FILE).write_text(json.dumps(at_lowest))
+    for momentum in (0.2, 0.4):
+        write_run(floor, f"isoloco-R2-m{momentum}-s900", "isoloco", 2, 900, 5.0,
+                  outer_momentum=momentum)  # fmt: skip
+    assert decide.main(["flags", str(floor)]) == 1
+    err = capsys.readouterr().err
+    assert "isoloco (outer momentum: lowest tried)" in err
+    assert "isoloco R=2 (outer momentum: lowest tried)" in err
+    write_run(floor, "isoloco-R2-m0.1-s900", "isoloco", 2, 900, 5.0, outer_momentum=0.1)
+    (floor / sweep_report.TUNED_FILE).write_text(
+        json.dumps([{**at_lowest[0], "outer_momentum": 0.1}])
+    )
+    assert decide.main(["flags", str(floor)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "--outer-lr-grid isoloco=1.8 --outer-momentum-grid isoloco=0.1\n"
+    assert "isoloco R=2: best at the lowest momentum, 0.1, the grid's floor" in captured.err
+    # a folder where nothing was swept has no tuned.json: said, not a traceback
+    (floor / sweep_report.TUNED_FILE).unlink()
+    assert decide.main(["flags", str(floor)]) == 1
+    assert "no tuned.json" in capsys.readouterr().err
 
     # evaluation noise: model b is model a + (0.1, 0.3, 0.2, 0.4) on four parts
     a_losses, shifts = (4.0, 5.0, 3.0, 6.0), (0.1, 0.3, 0.2, 0.4)

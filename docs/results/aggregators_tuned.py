@@ -129,16 +129,27 @@ def run_config_lr(folder: str) -> float:
     return lrs.pop()
 
 
+#: The momentum grid ends here: an optimum at a lowest momentum of this or below is not an
+#: edge to extend (the next step down, 0, is outer SGD: the ``-sgd`` presets, tuned on their own).
+MOMENTUM_FLOOR = 0.1
+AT_LOWEST_MOMENTUM = "outer momentum: lowest tried"
+
+
 def flags(folder: str, aggregators: str | None = None) -> int:
     """``--outer-lr-grid name=lr ... --outer-momentum-grid name=m ...`` of tuned.json (of the
     comma-separated ``aggregators`` only, when given). Refused while a run of the folder is
     unfinished, a setting was left out of the tuning, or an optimum (over R, or at any one R)
-    sits on a grid edge."""
+    sits on a grid edge, except the lowest momentum once it is :data:`MOMENTUM_FLOOR` or
+    below."""
     runs = load_runs(folder)
     pending = [run.name for run in runs if run.status == "unfinished"]
     if pending:
         say(f"{folder}: {len(pending)} unfinished run(s) ({', '.join(pending[:4])}); rerun the "
             "sweep to finish them")  # fmt: skip
+        return 1
+    if not (Path(folder) / TUNED_FILE).exists():
+        say(f"{folder}: no {TUNED_FILE} (no aggregator was swept over several settings; "
+            f"`mloco report {folder}` writes it)")  # fmt: skip
         return 1
     tuned = json.loads((Path(folder) / TUNED_FILE).read_text())
     swept = {run.aggregator for run in runs if run.aggregator != BASELINE}
@@ -151,15 +162,24 @@ def flags(folder: str, aggregators: str | None = None) -> int:
     words, problems = [], []
     for entry in tuned:
         name = entry["aggregator"]
+        momenta = [run.outer_momentum for run in runs
+                   if run.aggregator == name and run.outer_momentum is not None]  # fmt: skip
+        floored = bool(momenta) and min(momenta) <= MOMENTUM_FLOOR
         say(f"{name}: outer lr {entry['outer_lr']:g}, momentum {entry['outer_momentum']}, mean "
             f"loss {float(entry['mean_loss']):.4f} over R {entry['workers']}")  # fmt: skip
         words.append(f"--outer-lr-grid {name}={entry['outer_lr']:g}")
         if entry["outer_momentum"]:
             words.append(f"--outer-momentum-grid {name}={entry['outer_momentum']:g}")
-        problems += [f"{name} ({edge})" for edge in entry["grid_edges"]]
-        problems += [f"{name} R={workers} ({edge})"
-                     for workers, edges in entry.get("grid_edges_at_R", {}).items()
-                     for edge in edges]  # fmt: skip
+        edges = [("", edge) for edge in entry["grid_edges"]]
+        edges += [(f" R={workers}", edge)
+                  for workers, edges_at_r in entry.get("grid_edges_at_R", {}).items()
+                  for edge in edges_at_r]  # fmt: skip
+        for where, edge in edges:
+            if floored and edge == AT_LOWEST_MOMENTUM:
+                say(f"{name}{where}: best at the lowest momentum, {min(momenta):g}, the grid's "
+                    f"floor (momentum 0 is outer SGD)")  # fmt: skip
+            else:
+                problems.append(f"{name}{where} ({edge})")
         problems += [f"{name} lacks {setting}" for setting in entry.get("incomplete", [])]
         if not math.isfinite(float(entry["mean_loss"])):  # written "inf" (tables.json_value)
             problems.append(f"{name} (every setting failed at some R: widen the grid downward)")

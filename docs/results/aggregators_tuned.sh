@@ -89,7 +89,7 @@ INNER="--inner-lr $INNER_LR --weight-decay $WEIGHT_DECAY"
 #    baseline cell (stage 3 ran dp at this inner lr).
 mloco compare --aggregators "$AGGREGATORS" --workers 2,8 --seeds "$TUNING_SEED" $SHARED \
   --tokens "$TOKENS" $INNER --eval-every 0 --no-baseline "${GRIDS[@]}" -o "$WORK/tune"
-TUNED=$(decide flags "$WORK/tune")
+TUNED=$(decide flags "$WORK/tune" --aggregators "$AGGREGATORS")
 decide table "$WORK/tune" > "$WORK/tune/tuned.md"
 
 # 5. The report: every aggregator at its tuned values, R = 2..16, three seeds, the baseline.

@@ -129,20 +129,24 @@ def tuned_settings(summary: Sequence[SummaryRow]) -> list[dict]:
     R of the seed-mean loss, among the settings finished at every R with the most seeds there
     (as :func:`summarize` chooses per R), with the R used, the grid edges it sits on, the edges
     of each R's own best (a value at an edge means: extend the grid and tune again), and the
-    settings left out because some R lacks them or some of their seeds (``incomplete``)."""
+    settings left out because some R lacks them or some of their seeds (``incomplete``).
+    An R that finished one setting where another R swept several takes part (the settings it
+    lacks are incomplete; before, that R was left out unsaid); ties go to the lowest setting."""
     groups: dict[tuple[str, int], list[SummaryRow]] = defaultdict(list)
     for row in summary:
-        if not row.is_baseline and len(row.sweep) > 1:
+        if not row.is_baseline:
             groups[(row.aggregator, row.inner_steps)].append(row)
     tuned = []
     for (aggregator, steps), rows in sorted(groups.items()):
+        if all(len(row.sweep) == 1 for row in rows):
+            continue  # one setting at every R: nothing was tuned (a report's sweep)
         by_setting = [dict(row.sweep) for row in rows]
         tried = set.union(*(set(settings) for settings in by_setting))
         shared = set.intersection(*(most_seeds(settings) for settings in by_setting))
         if not shared:
             continue
         score = {s: sum(settings[s].mean for settings in by_setting) / len(rows) for s in shared}
-        best = min(score, key=score.__getitem__)
+        best = min(sorted(shared, key=_sort_key), key=score.__getitem__)
         tuned.append(
             {
                 "aggregator": aggregator,
