@@ -8,6 +8,7 @@ import importlib.util
 import io
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -490,6 +491,35 @@ def test_tuning_keeps_an_r_that_finished_one_setting_and_breaks_ties_low(tmp_pat
     assert tuned["outer_lr"] == 0.7
 
 
+def test_tuning_says_when_no_setting_can_be_chosen_and_never_leaves_a_stale_file(tmp_path, capsys):
+    """R = 2 finished lr 0.7 on seeds 0, 1 and 1.4 on seed 0; R = 4 the other way round: no
+    setting has the most seeds at both R. Before, the aggregator dropped out of tuned.json
+    unsaid, and a tuned.json written by an earlier report stayed, passing its values on."""
+    decide = load_script("aggregators_tuned")
+    seeds = {(2, 0.7): (0, 1), (2, 1.4): (0,), (4, 0.7): (0,), (4, 1.4): (0, 1)}
+    for (workers, lr), finished in seeds.items():
+        for seed in finished:
+            write_run(tmp_path, f"diloco-R{workers}-lr{lr}-s{seed}", "diloco", workers, seed,
+                      4.0 + seed / 10, outer_lr=lr)  # fmt: skip
+    output = io.StringIO()
+    sweep_report.report_sweep(tmp_path, console=Console(file=output, width=200), figures=False)
+    [entry] = json.loads((tmp_path / sweep_report.TUNED_FILE).read_text())
+    assert (entry["outer_lr"], entry["outer_momentum"], entry["mean_loss"]) == (None,) * 3
+    assert entry["incomplete"] == ["outer lr 0.7, momentum 0.9", "outer lr 1.4, momentum 0.9"]
+    assert "diloco H=2: not tuned yet" in output.getvalue()
+    assert decide.main(["flags", str(tmp_path)]) == 1
+    assert "diloco (no setting finished at every R on the same seeds)" in capsys.readouterr().err
+    assert decide.main(["table", str(tmp_path)]) == 0
+    assert "| diloco | not tuned yet (0.7) |" in capsys.readouterr().out
+    # the sweep is cut down to one setting: nothing is tuned any more, and tuned.json goes
+    for name in ("diloco-R2-lr1.4-s0", "diloco-R4-lr1.4-s0", "diloco-R4-lr1.4-s1"):
+        shutil.rmtree(tmp_path / "runs" / name)
+    sweep_report.report_sweep(tmp_path, figures=False)
+    assert not (tmp_path / sweep_report.TUNED_FILE).exists()
+    assert decide.main(["table", str(tmp_path)]) == 1
+    assert "no tuned.json yet" in capsys.readouterr().err
+
+
 # -- the staged protocol's decisions (docs/results/aggregators_tuned.py) ---------------------------
 def test_protocol_decisions_by_hand(tmp_path, capsys):
     decide = load_script("aggregators_tuned")
@@ -618,6 +648,43 @@ def test_protocol_decisions_by_hand(tmp_path, capsys):
     (tmp_path / "noise.json").write_text(json.dumps(records))
     assert decide.main(["noise", str(tmp_path / "noise.json")]) == 1
     assert "records of 2 datasets (a+b, c)" in capsys.readouterr().err
+
+
+def test_protocol_grid_tables_by_hand(tmp_path, capsys):
+    """isoloco (preset lr 1.8, momentum 0.8) at R = 2: lr 0.9 and 1.8 x momentum 0.8 and 0.9,
+    one cell unfinished and one failed; R = 4 ran one cell. Every value tried at any R is a
+    row or column at each R, the best of each R in bold."""
+    decide = load_script("aggregators_tuned")
+    cells = {(2, 0.9, 0.8): 4.1234, (2, 0.9, 0.9): 4.0, (2, 1.8, 0.8): None,
+             (2, 1.8, 0.9): "failed", (4, 1.8, 0.8): 4.5}  # fmt: skip
+    for (workers, lr, momentum), loss in cells.items():
+        name = f"isoloco-R{workers}-lr{lr}-m{momentum}-s900"
+        write_run(tmp_path, name, "isoloco", workers, 900, None if loss == "failed" else loss,
+                  outer_lr=lr, outer_momentum=momentum)  # fmt: skip
+        if loss == "failed":
+            (tmp_path / "runs" / name / runs.FAILED_FILE).write_text("{}")
+    assert decide.main(["grid", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.split("\n\n") == [
+        "\nisoloco, R = 2, H = 2:",
+        "| outer lr \\ momentum | 0.8 (preset) | 0.9 |\n|---|---|---|\n"
+        "| 0.9 | 4.123 | **4.000** |\n| 1.8 (preset) | · | failed |",
+        "isoloco, R = 4, H = 2:",
+        "| outer lr \\ momentum | 0.8 (preset) | 0.9 |\n|---|---|---|\n"
+        "| 0.9 | · | · |\n| 1.8 (preset) | **4.500** | · |\n",
+    ]
+    assert decide.main(["grid", str(tmp_path), "--aggregators", "tsv"]) == 0
+    assert "no finished cell of tsv" in capsys.readouterr().err
+
+
+def test_published_tuning_grids_are_the_grid_of_the_published_data(capsys):
+    """aggregators_tuned.md shows stage 4's cells as `aggregators_tuned.py grid` prints them
+    from the published runs: no number in those tables was typed by hand."""
+    decide = load_script("aggregators_tuned")
+    text = (RESULTS / "aggregators_tuned.md").read_text()
+    start = "<!-- grid: docs/results/aggregators_tuned/tune -->\n"
+    shown = text[text.index(start) + len(start) : text.index("<!-- end grid -->")]
+    assert decide.main(["grid", str(RESULTS / "aggregators_tuned" / "tune")]) == 0
+    assert shown.strip() == capsys.readouterr().out.strip()
 
 
 def test_protocol_publish_copies_ended_runs_small_files_only(tmp_path, capsys):

@@ -6,6 +6,7 @@
     python docs/results/aggregators_tuned.py noise EVAL_JSON
     python docs/results/aggregators_tuned.py compute STAGE_DIR...
     python docs/results/aggregators_tuned.py table TUNE_DIR
+    python docs/results/aggregators_tuned.py grid TUNE_DIR [--aggregators A,B]
     python docs/results/aggregators_tuned.py publish STAGE_DIR DOCS_DIR
     python docs/results/aggregators_tuned.py restore DOCS_DIR WORK_DIR
 
@@ -33,6 +34,7 @@ from mergekit_loco.compare.runs import (
     read_run_config,
 )
 from mergekit_loco.compare.sweep_report import TUNED_FILE, summarize
+from mergekit_loco.compare.tables import format_number
 from mergekit_loco.io.atomic import mark_output
 
 
@@ -162,6 +164,9 @@ def flags(folder: str, aggregators: str | None = None) -> int:
     words, problems = [], []
     for entry in tuned:
         name = entry["aggregator"]
+        if entry["mean_loss"] is None:
+            problems.append(f"{name} (no setting finished at every R on the same seeds)")
+            continue
         momenta = [run.outer_momentum for run in runs
                    if run.aggregator == name and run.outer_momentum is not None]  # fmt: skip
         floored = bool(momenta) and min(momenta) <= MOMENTUM_FLOOR
@@ -254,18 +259,64 @@ def table(folder: str) -> int:
     (the seed paper's) values: what the report's cells train with."""
     from mergekit_loco.train.config import preset_config
 
+    if not (Path(folder) / TUNED_FILE).exists():
+        say(f"{folder}: no {TUNED_FILE} yet (`mloco report {folder}` writes it)")
+        return 1
     tuned = json.loads((Path(folder) / TUNED_FILE).read_text())
     print("| aggregator | outer lr (preset's) | outer momentum (preset's) | mean loss over R |")
     print("|---|---|---|---|")
     for entry in tuned:
         preset = preset_config(entry["aggregator"]).outer
-        lr = entry["outer_lr"] if entry["outer_lr"] is not None else preset.lr
-        momentum = entry["outer_momentum"]
+        if entry["mean_loss"] is None:
+            print(f"| {entry['aggregator']} | not tuned yet ({preset.lr:g}) | "
+                  f"({preset.momentum:g}) | |")  # fmt: skip
+            continue
+        lr, momentum = entry["outer_lr"], entry["outer_momentum"]
         momentum = preset.momentum if momentum is None else momentum
         workers = ", ".join(map(str, entry["workers"]))
         loss = float(entry["mean_loss"])
         print(f"| {entry['aggregator']} | {lr:g} ({preset.lr:g}) | {momentum:g} "
               f"({preset.momentum:g}) | {loss:.4f} (R = {workers}) |")  # fmt: skip
+    return 0
+
+
+def grid(folder: str, aggregators: str | None = None) -> int:
+    """The finished cells of a tuning folder as markdown, one table per aggregator and R: the
+    final validation loss (mean over finished seeds) by outer lr (rows) and momentum (columns),
+    over every value tried at any R of that aggregator; ``·`` not finished (yet), ``failed``
+    diverged; in bold the setting :func:`summarize` keeps at that R (the lowest among those
+    with the most seeds). What the protocol's write-up shows while stage 4 runs."""
+    from mergekit_loco.train.config import preset_config
+
+    rows = [row for row in summarize(load_runs(folder)) if row.aggregator != BASELINE]
+    wanted = aggregators.split(",") if aggregators else sorted({row.aggregator for row in rows})
+    for name in wanted:
+        mine = sorted((row for row in rows if row.aggregator == name), key=lambda r: r.workers)
+        if not mine:
+            say(f"{folder}: no finished cell of {name}")
+            continue
+        preset = preset_config(name).outer
+        settings = {setting for row in mine for setting, _ in row.sweep}
+        lrs = sorted({lr for lr, _ in settings})
+        momenta = sorted({momentum for _, momentum in settings})
+
+        def label(value: float, preset_value: float) -> str:
+            return f"{value:g} (preset)" if math.isclose(value, preset_value) else f"{value:g}"
+
+        for row in mine:
+            losses = dict(row.sweep)
+            print(f"\n{name}, R = {row.workers}, H = {row.inner_steps}:\n")
+            print("| outer lr \\ momentum | "
+                  + " | ".join(label(m, preset.momentum) for m in momenta) + " |")  # fmt: skip
+            print("|---" * (len(momenta) + 1) + "|")
+            for lr in lrs:
+                cells = []
+                for momentum in momenta:
+                    loss = losses.get((lr, momentum))
+                    text = "·" if loss is None else format_number(loss.mean, 3)
+                    best = (lr, momentum) == (row.outer_lr, row.outer_momentum)
+                    cells.append(f"**{text}**" if best else text)
+                print(f"| {label(lr, preset.lr)} | " + " | ".join(cells) + " |")
     return 0
 
 
@@ -342,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser("noise").add_argument("path")
     commands.add_parser("compute").add_argument("folders", nargs="+")
     commands.add_parser("table").add_argument("folder")
+    found = commands.add_parser("grid")
+    found.add_argument("folder")
+    found.add_argument("--aggregators", help="comma-separated: only these aggregators' tables")
     found = commands.add_parser("publish")
     found.add_argument("folder")
     found.add_argument("destination")
@@ -359,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
         return compute(arguments.folders)
     if arguments.command == "table":
         return table(arguments.folder)
+    if arguments.command == "grid":
+        return grid(arguments.folder, arguments.aggregators)
     if arguments.command == "publish":
         return publish(arguments.folder, arguments.destination)
     if arguments.command == "restore":

@@ -131,7 +131,10 @@ def tuned_settings(summary: Sequence[SummaryRow]) -> list[dict]:
     of each R's own best (a value at an edge means: extend the grid and tune again), and the
     settings left out because some R lacks them or some of their seeds (``incomplete``).
     An R that finished one setting where another R swept several takes part (the settings it
-    lacks are incomplete; before, that R was left out unsaid); ties go to the lowest setting."""
+    lacks are incomplete; before, that R was left out unsaid); ties go to the lowest setting.
+    Where no setting has the most seeds at every R (a sweep half run on a new seed), nothing
+    can be chosen yet: the entry says so (``outer_lr``, ``outer_momentum`` and ``mean_loss``
+    None, every setting tried ``incomplete``) rather than leaving the aggregator out."""
     groups: dict[tuple[str, int], list[SummaryRow]] = defaultdict(list)
     for row in summary:
         if not row.is_baseline:
@@ -143,19 +146,17 @@ def tuned_settings(summary: Sequence[SummaryRow]) -> list[dict]:
         by_setting = [dict(row.sweep) for row in rows]
         tried = set.union(*(set(settings) for settings in by_setting))
         shared = set.intersection(*(most_seeds(settings) for settings in by_setting))
-        if not shared:
-            continue
         score = {s: sum(settings[s].mean for settings in by_setting) / len(rows) for s in shared}
-        best = min(sorted(shared, key=_sort_key), key=score.__getitem__)
+        best = min(sorted(shared, key=_sort_key), key=score.__getitem__) if shared else None
         tuned.append(
             {
                 "aggregator": aggregator,
                 "inner_steps": steps,
-                "outer_lr": best[0],
-                "outer_momentum": best[1],
+                "outer_lr": best[0] if best else None,
+                "outer_momentum": best[1] if best else None,
                 "workers": sorted(row.workers for row in rows),
-                "mean_loss": score[best],
-                "grid_edges": list(grid_edges(shared, best)),
+                "mean_loss": score[best] if best else None,
+                "grid_edges": list(grid_edges(shared, best)) if best else [],
                 "grid_edges_at_R": {str(r.workers): list(r.grid_edges) for r in rows},
                 "incomplete": [describe_setting(s) for s in sorted(tried - shared, key=_sort_key)],
             }
@@ -327,7 +328,8 @@ def summary_records(summary: Sequence[SummaryRow]) -> list[dict]:
 
 def write_sweep_tables(runs: Sequence[Run], summary: Sequence[SummaryRow], out: Path) -> None:
     """``results.csv`` (one row per run), ``summary.csv`` and ``results.json`` (both), and
-    ``tuned.json`` where outer values were swept at several R."""
+    ``tuned.json`` where outer values were swept (removed where none are any more: a tuned.json
+    left from an earlier report would pass stale values on)."""
     write_atomically(out / RESULTS_CSV, csv_text([run.row() for run in runs], RUN_COLUMNS))
     records = summary_records(summary)
     write_atomically(out / "summary.csv", csv_text(records, SUMMARY_COLUMNS) if records else "")
@@ -340,6 +342,8 @@ def write_sweep_tables(runs: Sequence[Run], summary: Sequence[SummaryRow], out: 
     if tuned:
         entries = [{key: json_value(value) for key, value in entry.items()} for entry in tuned]
         write_atomically(out / TUNED_FILE, json.dumps(entries, indent=2) + "\n")
+    else:
+        (out / TUNED_FILE).unlink(missing_ok=True)
 
 
 def tuned_table(tuned: Sequence[dict]) -> Table:
@@ -426,7 +430,13 @@ def report_sweep(
         if tuned:
             console.print(tuned_table(tuned))
         for entry in tuned:
-            if entry["incomplete"]:
+            if entry["mean_loss"] is None:
+                console.print(
+                    f"{entry['aggregator']} H={entry['inner_steps']}: not tuned yet, no setting "
+                    "is finished at every R on the same seeds",
+                    highlight=False,
+                )
+            elif entry["incomplete"]:
                 console.print(
                     f"{entry['aggregator']} H={entry['inner_steps']}: tuned without "
                     f"{'; '.join(entry['incomplete'])} (not finished at every R on every seed)",
