@@ -203,9 +203,7 @@ def merge_one(
     deltas, appended, total = [], [], None
     for index in range(len(inputs)):
         tuned = inputs.pop(0)
-        if tuned is None:
-            delta = torch.zeros_like(base_on_device, dtype=compute_dtype)
-        elif isinstance(tuned, LowRankDelta):
+        if isinstance(tuned, LowRankDelta):
             delta = tuned.dense(base_on_device)
         else:
             tuned = tuned.to(device=device, dtype=compute_dtype)  # a fresh read: ours

@@ -23,6 +23,7 @@ from mergekit_loco.cli import main
 from mergekit_loco.compare import merges, render, results_lock, runs
 from mergekit_loco.compare import sweep as sweeping
 from mergekit_loco.compare.sweep import Cell, Grid, Sweep, cell_config, plan, trained_tokens
+from mergekit_loco.io.atomic import LOCK_FILE
 from mergekit_loco.io.lock import FolderInUse
 from mergekit_loco.train.config import preset_config
 from mergekit_loco.train.loop import train
@@ -638,6 +639,58 @@ def test_workers_of_a_killed_parallel_sweep_end_with_it(tmp_path):
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_cell_process_killed_in_a_parallel_sweep_is_named(tmp_path):
+    """SIGKILL (as the out-of-memory killer sends) of one cell's process in ``mloco compare
+    --jobs 2`` (before: ``interrupted; finished cells are kept``, as for Ctrl-C): exit 1 and one
+    line naming the cell and the signal, hinting at memory and saying how to resume. The sweep
+    stops its other cell and ends with its workers; the killed cell keeps its checkpoint (not
+    recorded as failed)."""
+    out = tmp_path / "sweep"
+    args = [*parallel_sweep_command(tmp_path), "--checkpoint-every", "10"]
+    sweep = start_sweep(args, out)
+    workers = children_of(sweep.pid)
+    run = next(out.glob("runs/*/checkpoints/round-*")).parents[1]  # most rounds still to go
+    pid = int((run / LOCK_FILE).read_text())  # the process training it
+    assert pid in workers
+    os.kill(pid, signal.SIGKILL)
+    try:
+        _, stderr = sweep.communicate(timeout=120)
+    finally:
+        sweep.kill()
+        alive = outlived(workers, 60)
+    assert not alive, "worker processes outlived the sweep"
+    assert sweep.returncode == 1, stderr
+    assert (
+        f"error: the process of cell {run.name} died (killed by SIGKILL, likely by the "
+        "out-of-memory killer: try fewer --jobs); the sweep stopped. Finished cells are kept: "
+        "run the same command to resume (unfinished cells continue from their last checkpoint)"
+    ) in stderr.splitlines()
+    assert "Traceback" not in stderr
+    assert list((run / "checkpoints").glob("round-*")) and not runs.is_finished(run)
+
+
+@pytest.mark.parametrize(
+    ("exit_codes", "said"),
+    [
+        ({"tsv": -signal.SIGKILL}, "the process of cell tsv-R2-H2-s0 died (killed by SIGKILL, "
+         "likely by the out-of-memory killer: try fewer --jobs); the sweep"),
+        ({"tsv": -signal.SIGSEGV, "dp": 3}, "the process of cell tsv-R2-H2-s0 died (killed by "
+         f"signal {signal.SIGSEGV.value}: {signal.strsignal(signal.SIGSEGV)}); the process of "
+         "cell dp-s0 died (exit code 3); the sweep"),
+        ({}, "a sweep worker process died (killed?); the sweep"),
+    ],
+)  # fmt: skip
+def test_death_message_says_which_cell_died_how(exit_codes, said):
+    """A cell's process that ends without reporting: by signal (SIGKILL: likely out of memory),
+    by exit code (``os._exit``), or in a process between cells (no cell named)."""
+    cells = {"tsv": Cell("tsv", 2, 2, 0), "dp": Cell("dp", 1, 2, 0)}
+    message = sweeping.death_message({cells[name]: code for name, code in exit_codes.items()})
+    assert message.startswith(said)
+    assert message.endswith("run the same command to resume (unfinished cells continue from "
+                            "their last checkpoint)")  # fmt: skip
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_a_second_compare_into_a_results_folder_in_use_is_refused(tmp_path, capsys):
     """Two ``mloco compare -o DIR`` at once (before: both trained the same cells into DIR,
     each resuming and overwriting the other's checkpoints): the second exits 2 at once naming
@@ -836,6 +889,13 @@ def test_a_pool_worker_stopped_outside_training_is_an_interrupted_cell(monkeypat
         raise SystemExit(143)
 
     monkeypatch.setattr(sweep_module, "run_cell", stopped)
+    monkeypatch.setattr(sweep_module, "_cell_pids", [0])
     cell = sweep_module.Cell("diloco", 2, 2, 0)
-    with pytest.raises(TrainingInterrupted, match="stopped before it trained"):
-        sweep_module._run_cell_alone(None, cell, None, 1, os.getppid())
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(TrainingInterrupted, match="stopped before it trained"):
+            sweep_module._run_cell_alone(None, cell, None, 1, os.getppid(), 0)
+        assert signal.getsignal(signal.SIGTERM) is sweep_module.exit_on_sigterm  # lives on
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert sweep_module._cell_pids == [os.getpid()]

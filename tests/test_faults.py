@@ -11,6 +11,7 @@ Every run is the micro model, R = 4, H = 2, 8 x 32 tokens a step: 4 rounds of 51
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import re
@@ -24,6 +25,7 @@ import types
 from collections.abc import Iterator
 from pathlib import Path
 
+import hostile
 import pytest
 import torch
 from conftest import stdlib_corpus
@@ -34,12 +36,13 @@ from safetensors.torch import load_file
 from mergekit_loco.cli import main
 from mergekit_loco.dist import CollectiveFailed
 from mergekit_loco.train import loop, run
+from mergekit_loco.train import rounds as turns
 from mergekit_loco.train.checkpoint import CheckpointCorrupt, latest_checkpoint
 from mergekit_loco.train.config import resolve_config
 from mergekit_loco.train.data import DataExhausted
 from mergekit_loco.train.diloco import DiLoCo
 from mergekit_loco.train.guards import naming_the_last_checkpoint
-from mergekit_loco.train.loop import TrainingDiverged, TrainingInterrupted, train
+from mergekit_loco.train.loop import TrainingDiverged, TrainingFailed, TrainingInterrupted, train
 
 CORPUS_FILES = ("textwrap.py", "string.py", "json/decoder.py", "csv.py", "heapq.py", "shlex.py")
 TINY = dict(
@@ -95,6 +98,11 @@ def final_params(out: Path) -> dict[str, torch.Tensor]:
 def rounds_logged(out: Path) -> list[int]:
     events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [event["round"] for event in events if event["event"] == "round"]
+
+
+def final_checksum(out: Path) -> str:
+    """The parameter checksum of the run's final line in ``metrics.jsonl``."""
+    return json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["checksum"]
 
 
 def checkpoint_names(out: Path) -> list[str]:
@@ -550,6 +558,23 @@ def test_non_finite_pseudo_gradient_keeps_the_last_checkpoint(corpus, tmp_path, 
     assert latest_checkpoint(tmp_path).name == "round-000001"
 
 
+def test_an_svd_that_does_not_converge_stops_as_divergence(corpus, tmp_path, monkeypatch):
+    """torch.linalg.LinAlgError in round 2 (an aggregator's SVD; before: a raw traceback from
+    ``mloco train``) is TrainingDiverged naming it and CKPT(1): a compare cell still records it
+    as failed."""
+    real_delta = DiLoCo.local_delta
+
+    def local_delta(driver):
+        if driver.outer_steps + 1 == 2:
+            raise torch.linalg.LinAlgError("linalg.svd: failed to converge")
+        return real_delta(driver)
+
+    monkeypatch.setattr(DiLoCo, "local_delta", local_delta)
+    diverged = r"^round 2: LinAlgError: linalg.svd: failed to converge; stopping\. The last good"
+    with pytest.raises(TrainingDiverged, match=diverged + r" checkpoint is .*round-000001"):
+        train(tiny_config(corpus, tmp_path, checkpoint_every=1), progress=False)
+
+
 def test_data_parallel_blow_up_stops_in_round_one_with_nothing_saved(corpus, tmp_path):
     """No patch: AdamW at lr 1e6 (data-parallel) multiplies the norm by ~1e12 in one round."""
     with pytest.raises(TrainingDiverged, match=r"^round 1: the global parameters exploded.*"
@@ -565,6 +590,70 @@ def test_cli_divergence_exits_1_in_one_line(corpus, tmp_path):
     assert ONE_LINE_ERROR.fullmatch(diverged.stderr), diverged.stderr
     assert diverged.stderr.startswith("error: round 1: the global parameters exploded")
     assert diverged.stderr.endswith("No checkpoint was written before it.\n")
+
+
+# -- any other failure ---------------------------------------------------------------------------
+def failing_turns(monkeypatch, round_number: int, error: Exception) -> None:
+    """Raise ``error`` from every worker turn of round ``round_number``."""
+    real_turn = turns.worker_turn
+
+    def worker_turn(model, worker, config, round_index, *rest):
+        if round_index + 1 == round_number:
+            raise error
+        return real_turn(model, worker, config, round_index, *rest)
+
+    monkeypatch.setattr(turns, "worker_turn", worker_turn)
+
+
+def test_out_of_memory_mid_round_names_the_checkpoint_and_resume_is_exact(
+    corpus, tmp_path, reference, capsys, monkeypatch
+):
+    """torch.OutOfMemoryError in round 3 (before: a raw traceback, no word of the checkpoint):
+    exit 1, one line naming the error, CKPT(2) and --resume; --debug raises it with the error as
+    the cause; the resume the line advises ends where the uninterrupted run ends."""
+    out = tmp_path / "run"
+    flags = [*cli_flags(corpus, out), "--checkpoint-every=1"]
+    failing_turns(monkeypatch, 3, torch.OutOfMemoryError("CUDA out of memory. Tried 2.00 GiB"))
+    code, err, _ = hostile.run_cli(capsys, "train", *flags)
+    assert code == 1, err
+    assert err == (
+        "error: round 3: OutOfMemoryError: CUDA out of memory. Tried 2.00 GiB; stopping. The "
+        f"last good checkpoint is {out / 'checkpoints' / 'round-000002'} (after round 2). Run "
+        "the same command with --resume to continue from it.\n"
+    )
+    with pytest.raises(TrainingFailed) as raised:
+        main(["train", *flags, "--resume", "--debug"])
+    assert isinstance(raised.value.__cause__, torch.OutOfMemoryError)
+    monkeypatch.undo()
+    code, err, _ = hostile.run_cli(capsys, "train", *flags, "--resume")
+    assert code == 0, err
+    assert final_checksum(out) == reference.checksum
+    assert rounds_logged(out) == [1, 2, 3, 4]
+
+
+def test_a_full_disk_at_the_first_checkpoint_says_to_start_over(
+    corpus, tmp_path, reference, capsys, monkeypatch
+):
+    """ENOSPC while round 2's checkpoint, the first, is written (before: exit 2 as bad input,
+    no advice): exit 1, the one line says there is nothing to resume and how to start over,
+    and that command trains the run."""
+
+    def disk_full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(run, "save_checkpoint", disk_full)
+    flags = [*cli_flags(corpus, tmp_path), "--checkpoint-every=2"]
+    code, err, _ = hostile.run_cli(capsys, "train", *flags)
+    assert code == 1, err
+    assert err == (
+        "error: after round 2: OSError: [Errno 28] No space left on device; stopping. No "
+        "checkpoint was written before it. There is nothing to resume: run the same command "
+        "with --force (and without --resume) to start over.\n"
+    )
+    monkeypatch.undo()
+    code, err, _ = hostile.run_cli(capsys, "train", *flags, "--force")
+    assert code == 0, err
+    assert final_checksum(tmp_path) == reference.checksum
 
 
 # -- data and config -----------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from mergekit_loco.io.atomic import OWNER_MARKER, OutputRefused, mark_output
 from mergekit_loco.train.checkpoint import Checkpoint, save_checkpoint
+from mergekit_loco.train.model import MODEL_PRESETS
 from mergekit_loco.train.workers import SimulatedWorkers
 
 
@@ -223,22 +224,58 @@ def test_extending_the_budget_trains_each_token_once(capsys, tmp_path, corpus, m
     ("--global-batch=8", "--global-batch 4 -> 8"),
     ("--seq-len=16", "--seq-len 32 -> 16"),
     ("--inner-steps=1", "--inner-steps 2 -> 1"),
+    ("--model=nano", "--model micro -> nano"),
+    ("--inner-optimizer=muon", "--inner-optimizer adamw -> muon"),
 ])  # fmt: skip
-def test_resume_refuses_another_mode_workers_or_round_size(capsys, tmp_path, corpus, stopped,
-                                                           change, fragment):  # fmt: skip
-    """Mode, workers and round size cannot change on resume, even with --allow-config-change:
-    refused naming what the checkpoint holds, not as a damaged checkpoint, before any file but
-    state.json is read."""
+def test_resume_refuses_what_the_checkpoint_cannot_hold(capsys, tmp_path, corpus, stopped,
+                                                        change, fragment):  # fmt: skip
+    """Mode, workers, round size, model and inner optimizer cannot change on resume, even with
+    --allow-config-change: refused naming what the checkpoint holds and the option, not as a
+    damaged checkpoint, before any file but state.json is read."""
     run = tmp_path / "run"
     shutil.copytree(stopped, run)
     before = snapshot(tmp_path)
     code, err, opened = run_cli(capsys, "train", *TRAIN, f"--data={corpus}", f"--out={run}",
                                 "--resume", "--allow-config-change", change)  # fmt: skip
-    assert_refused(code, err, "holds a DiLoCo run of 2 workers", "cannot change on resume",
-                   fragment)  # fmt: skip
+    assert_refused(code, err, "holds a DiLoCo run of 2 workers (model micro, adamw inner "
+                   "optimizer)", "cannot change on resume", fragment)  # fmt: skip
     assert "--force" not in err and "damaged" not in err
     assert not [p for p in opened if p.endswith((".pt", ".safetensors"))]
     assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("preset", ["diloco", "dp"])
+def test_resume_refuses_a_model_that_changed_under_the_same_option(capsys, tmp_path, corpus,
+                                                                   preset):  # fmt: skip
+    """A run of ``--model FILE`` whose FILE was edited before the resume (an MLP of 96 where
+    the checkpoint's is 64; before: "does not hold what this run needs ... start over with
+    --force"), and a dp run resumed with ``--inner-optimizer muon``: refused naming the model
+    options, the option, nothing written; the run resumes once FILE is restored."""
+    model_file = tmp_path / "model.json"
+    micro = json.dumps(MODEL_PRESETS["micro"])
+    model_file.write_text(micro)
+    run = tmp_path / "run"
+    flags = [*TRAIN, f"--model={model_file}", f"--data={corpus}", f"--out={run}",
+             f"--preset={preset}"]  # fmt: skip
+    code, err, _ = run_cli(capsys, "train", *flags, "--checkpoint-every=1", "--stop-after=1")
+    assert code in (0, None), err
+    before = snapshot(run)
+    code, err, opened = run_cli(capsys, "train", *flags, "--resume", "--allow-config-change",
+                                "--inner-optimizer=muon")  # fmt: skip
+    assert_refused(code, err, "cannot change on resume", "--inner-optimizer adamw -> muon")
+    assert not [p for p in opened if p.endswith((".pt", ".safetensors"))]
+    model_file.write_text(json.dumps({**MODEL_PRESETS["micro"], "intermediate_size": 96}))
+    code, err, _ = run_cli(capsys, "train", *flags, "--resume")
+    assert_refused(code, err, "holds another model than this run builds (6 of 21 tensors differ; "
+                   "model.layers.0.mlp.gate_proj.weight: [64, 32] there, [96, 32] here)",
+                   "(--model and its config.json, --init, the vocabulary: --tokenizer, "
+                   "--vocab-size) cannot change on resume")  # fmt: skip
+    assert "--force" not in err and "damaged" not in err
+    assert snapshot(run) == before
+    model_file.write_text(micro)
+    code, err, _ = run_cli(capsys, "train", *flags, "--resume")
+    assert code in (0, None), err
+    assert (run / "final" / "model.safetensors").is_file()
 
 
 def test_resume_refuses_a_smaller_budget(capsys, tmp_path, corpus, stopped):

@@ -25,6 +25,9 @@ from mergekit_loco.run_layout import check_output_parent, check_run_folder_name
 MODES = ("aggregators", "merge")
 DEFAULT_AGGREGATORS = "diloco,isoloco,isoloco-ns,ties,tsv,iso-cts"
 DEFAULT_MERGE_METHODS = "mean,ta,ties,dare,tsv,iso-c,iso-cts"
+#: A cell's process died (killed, e.g. out of memory, or crashed): the sweep failed while running,
+#: as a train run that diverged does (train's exit code 1). Bad input is 2, an interruption 130.
+EXIT_CELL_DIED = 1
 
 
 def split_list(option: str, text: str | None, kind: type = str) -> list:
@@ -234,6 +237,7 @@ def compare_command(
     debug: Debug = False,
 ) -> None:
     """Which aggregator for my R and H (a FLOP-matched sweep), or which merge method (merge)."""
+    from mergekit_loco.train.guards import TrainingFailed
     from mergekit_loco.train.loop import TrainingInterrupted
 
     console = output_console(quiet=quiet)
@@ -305,6 +309,16 @@ def compare_command(
     except (KeyboardInterrupt, TrainingInterrupted):
         print_error("interrupted; finished cells are kept: run the same command to resume")
         raise typer.Exit(EXIT_INTERRUPTED) from None
+    except sweeping.CellDied as died:
+        if debug:
+            raise
+        print_error(str(died))
+        raise typer.Exit(EXIT_CELL_DIED) from None
+    except TrainingFailed as failed:  # a cell ran out of memory or disk: one line, as mloco train
+        if debug:
+            raise
+        print_error(str(failed))
+        raise typer.Exit(EXIT_CELL_DIED) from None
 
 
 @user_errors

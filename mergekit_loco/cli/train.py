@@ -39,8 +39,9 @@ from mergekit_loco.train.config import (
 
 #: --threads at most this many times the CPUs: torch starts every thread it is given.
 THREADS_PER_CPU = 4
-#: The run failed while running (diverged, or a torchrun peer died or hung); the message names
-#: the last good checkpoint. Bad input is 2, an interruption 130.
+#: The run failed while running (diverged, a torchrun peer died or hung, or anything else failed:
+#: out of memory, a full disk); the message names the last good checkpoint. Bad input is 2, an
+#: interruption 130.
 EXIT_RUN_FAILED = 1
 
 
@@ -361,7 +362,12 @@ def train_command(
     import torch
 
     from mergekit_loco.dist import CollectiveFailed
-    from mergekit_loco.train.loop import TrainingDiverged, TrainingInterrupted, train
+    from mergekit_loco.train.loop import (
+        TrainingDiverged,
+        TrainingFailed,
+        TrainingInterrupted,
+        train,
+    )
 
     torch.set_num_threads(thread_count)
     if not run_config.run.quiet and os.environ.get("RANK", "0") == "0":
@@ -375,7 +381,7 @@ def train_command(
     except TrainingInterrupted as stopped:
         print_error(one_line(stopped))
         raise typer.Exit(EXIT_INTERRUPTED) from None
-    except (TrainingDiverged, CollectiveFailed) as failure:
+    except (TrainingDiverged, CollectiveFailed, TrainingFailed) as failure:
         if debug:
             raise
         print_error(one_line(failure))

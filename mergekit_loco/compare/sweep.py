@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import json
 import multiprocessing
+import multiprocessing.connection
 import os
 import shutil
 import signal
@@ -23,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
@@ -285,20 +287,43 @@ def check_same_run(config: TrainConfig, run_dir: Path) -> None:
         )
 
 
-def _run_cell_alone(sweep: Sweep, cell: Cell, run_dir: Path, threads: int, parent: int) -> str:
-    """:func:`run_cell` in a pool process, with ``threads`` torch threads. If the sweep process
-    ``parent`` died meanwhile (its SIGTERM stopped the cell, :func:`die_with_parent`), the
-    worker ends with the cell: no one is left to take its result or give it another. A
-    SIGTERM outside training's own handler (:func:`exit_on_sigterm`: tokenizer, data, cleanup)
-    is the cell's :class:`TrainingInterrupted`, as one inside it is."""
+#: In a pool worker: the shared array where each cell writes the PID of the process that runs it,
+#: at the cell's slot (:func:`start_worker`), so the sweep can name a cell whose process died.
+_cell_pids: ctypes.Array | None = None
+
+
+def start_worker(parent: int, cell_pids: ctypes.Array) -> None:
+    """Pool initializer: :func:`die_with_parent`, and keep the sweep's ``cell_pids`` array."""
+    global _cell_pids
+    _cell_pids = cell_pids
+    die_with_parent(parent)
+
+
+def _run_cell_alone(
+    sweep: Sweep, cell: Cell, run_dir: Path, threads: int, parent: int, slot: int
+) -> str:
+    """:func:`run_cell` in a pool process, with ``threads`` torch threads, after writing this
+    process's PID at ``slot`` of the sweep's cell PIDs. If the sweep process ``parent`` died
+    meanwhile (its SIGTERM stopped the cell, :func:`die_with_parent`), the worker ends with the
+    cell: no one is left to take its result or give it another. A SIGTERM outside training's
+    own handler (:func:`exit_on_sigterm`: tokenizer, data, cleanup) is the cell's
+    :class:`TrainingInterrupted`, as one inside it is."""
     torch.set_num_threads(threads)
     try:
+        _cell_pids[slot] = os.getpid()
         return run_cell(sweep, cell, run_dir)
     except SystemExit:
+        signal.signal(signal.SIGTERM, exit_on_sigterm)  # the worker lives on, to be stopped
         raise TrainingInterrupted(f"{cell.name}: stopped before it trained") from None
     finally:
         if os.getppid() != parent:
             os._exit(128 + signal.SIGTERM)
+
+
+class CellDied(RuntimeError):
+    """A cell's process ended without reporting (killed, e.g. by the out-of-memory killer, or
+    crashed); the sweep stopped its other cells, which resume, as the dead one does (it is not
+    a failed cell)."""
 
 
 def run_sweep(
@@ -407,7 +432,10 @@ def run_cells(
 ) -> None:
     """Run every unfinished cell into ``runs_dir`` (a finished one must be of this sweep):
     ``jobs`` at a time, each in its own pool process (:func:`die_with_parent`) with
-    ``cpu_count / jobs`` threads; each cell's training holds its own run folder's lock."""
+    ``cpu_count / jobs`` threads; each cell's training holds its own run folder's lock. A cell
+    whose process dies without reporting (killed, e.g. out of memory, or crashed) stops the
+    sweep, as a stop does (:class:`CellDied`): it is not a failed cell, and at the same ``jobs``
+    the next one would likely die too."""
     todo = []
     for cell in cells:
         run_dir = runs_dir / cell.name
@@ -435,28 +463,66 @@ def run_cells(
     threads = max(1, (os.cpu_count() or 1) // jobs)
     context = multiprocessing.get_context("spawn")
     sweep_pid = os.getpid()
+    cell_pids = context.RawArray("q", len(todo))  # at each cell's slot: its index in todo
     pool = ProcessPoolExecutor(
-        jobs, mp_context=context, initializer=die_with_parent, initargs=(sweep_pid,)
+        jobs, mp_context=context, initializer=start_worker, initargs=(sweep_pid, cell_pids)
     )
+    workers = pool._processes  # PID -> process, as the pool starts them
+    dead = None
     with pool, stopped_by_sigterm():
-        waiting, running, count = list(reversed(todo)), {}, 0
+        waiting, running, count = list(reversed(list(enumerate(todo)))), {}, 0
         try:
             while waiting or running:
                 while waiting and len(running) < jobs:  # no cell queued behind the jobs
-                    cell = waiting.pop()
+                    slot, cell = waiting.pop()
                     job = pool.submit(_run_cell_alone, sweep, cell, runs_dir / cell.name,
-                                      threads, sweep_pid)  # fmt: skip
-                    running[job] = cell
+                                      threads, sweep_pid, slot)  # fmt: skip
+                    running[job] = slot, cell
                 finished, _ = wait(running, return_when=FIRST_COMPLETED)
                 for job in finished:
+                    outcome = job.result()  # the cell stays running if its process died
                     count += 1
-                    done(count, running.pop(job), job.result())
-        except BrokenProcessPool:  # a worker killed (OOM, SIGKILL): the others are stopped too
+                    done(count, running.pop(job)[1], outcome)
+        except BrokenProcessPool:  # a process died; the pool sent the others SIGTERM
+            cells = {cell_pids[slot]: cell for slot, cell in running.values()}
+            dead = ended_cells(cells, workers)
             stop_workers(pool)
-            raise TrainingInterrupted("a cell's process died (killed?)") from None
         except BaseException:
             stop_workers(pool)
             raise
+    if dead is not None:  # read once the pool has ended: every exit code is known
+        raise CellDied(death_message({cell: workers[pid].exitcode for pid, cell in dead}))
+
+
+def ended_cells(
+    cells: Mapping[int, Cell], workers: Mapping[int, BaseProcess]
+) -> list[tuple[int, Cell]]:
+    """The ``(pid, cell)`` of ``cells`` (PID -> cell) whose worker process has ended. Called
+    as the pool breaks, it finds the cells whose process died: the SIGTERM the pool sends the
+    others stops their cells but does not end their processes."""
+    by_sentinel = {workers[pid].sentinel: (pid, cell) for pid, cell in cells.items()
+                   if pid in workers}  # fmt: skip
+    ended = multiprocessing.connection.wait(list(by_sentinel), timeout=0)
+    return [by_sentinel[sentinel] for sentinel in ended]
+
+
+def death_message(exit_codes: Mapping[Cell, int]) -> str:
+    """What to tell of cells whose process died, by exit code (negative: the signal): which,
+    how, the likely cause (SIGKILL: the out-of-memory killer), and how to resume."""
+    deaths = []
+    for cell, code in exit_codes.items():
+        if code == -signal.SIGKILL:
+            how = "killed by SIGKILL, likely by the out-of-memory killer: try fewer --jobs"
+        elif code < 0:
+            how = f"killed by signal {-code}: {signal.strsignal(-code)}"
+        else:
+            how = f"exit code {code}"
+        deaths.append(f"the process of cell {cell.name} died ({how})")
+    said = "; ".join(deaths) or "a sweep worker process died (killed?)"
+    return (
+        f"{said}; the sweep stopped. Finished cells are kept: run the same command to resume "
+        "(unfinished cells continue from their last checkpoint)"
+    )
 
 
 def sweep_pace(count: int, total: int, elapsed: float, jobs: int = 1) -> str:
@@ -505,7 +571,11 @@ def die_with_parent(parent: int) -> None:
 
 def exit_on_sigterm(signum: int, frame: object) -> None:
     """A pool worker's SIGTERM handler: ``raise SystemExit(128 + signum)`` (exit status 143,
-    no traceback); a cell's training replaces it while it runs."""
+    no traceback); a cell's training replaces it while it runs. Further SIGTERMs are ignored
+    while the worker exits (a broken pool and the sweep each send one; the second, raised in an
+    exit handler, printed a traceback); :func:`_run_cell_alone` restores it if the worker lives
+    on."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise SystemExit(128 + signum)
 
 

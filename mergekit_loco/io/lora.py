@@ -196,7 +196,7 @@ class LoraAdapter:
     """The deltas one PEFT LoRA adapter makes to the base tensors, read lazily.
 
     ``targets()`` lists the base tensor names it adapts; ``factors(name)`` returns
-    ``(scaling * B, A)`` so that ``delta = scaling * B @ A``; ``delta(name)`` the dense delta.
+    ``(scaling * B, A)`` so that ``delta = scaling * B @ A``.
     """
 
     def __init__(self, folder: str | Path):
@@ -332,12 +332,6 @@ class LoraAdapter:
         """``(scaling * B, A)`` of base tensor ``name`` in ``dtype``, both finite."""
         key_a, key_b = self._modules[name]
         return self._read(key_b, dtype, self._scalings[name]), self._read(key_a, dtype)
-
-    def delta(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        """The dense ``scaling * B @ A`` of base tensor ``name`` in ``dtype`` (multiplied in
-        ``dtype``, at least float32)."""
-        lora_b, lora_a = self.factors(name, _at_least_float32(dtype))
-        return (lora_b @ lora_a).to(dtype)
 
     def close(self) -> None:
         self._reader.close()

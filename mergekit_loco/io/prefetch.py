@@ -38,7 +38,6 @@ class Prefetcher(Generic[Key, Item]):
         self.input_bytes = input_bytes
         self.working_bytes = working_bytes
         self.budget_bytes = budget_bytes
-        self.overlapped = 0
 
     def __iter__(self) -> Iterator[tuple[Key, Item]]:
         if not self.keys:
@@ -53,7 +52,6 @@ class Prefetcher(Generic[Key, Item]):
                 )
                 if overlap:
                     pending = pool.submit(self.read, following)
-                    self.overlapped += 1
                 yield key, item
                 del item
                 if following is not None and not overlap:

@@ -68,10 +68,6 @@ class PreparedData:
     """sha256 of the documents (names, sizes and times) and the tokenizer: what a resumed run
     must find unchanged."""
 
-    @property
-    def vocab_size(self) -> int:
-        return len(self.tokenizer)
-
 
 # -- token streams ------------------------------------------------------------------------------
 def integer_argument(argument: str, value: Any, optional: bool = False) -> Any:

@@ -1,7 +1,8 @@
 """What stops a run on purpose, and the one-line messages that name the last good checkpoint.
 
 Divergence (a non-finite train loss or pseudo-gradient, exploding global parameters), a data
-shard too short for the rounds left, a lost torchrun peer, a signal (docs/reliability.md).
+shard too short for the rounds left, a lost torchrun peer, a signal, and any other failure
+while training (out of memory, a full disk, a bug) (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -31,8 +32,14 @@ class TrainingDiverged(FloatingPointError):
     names the round and the last good checkpoint."""
 
 
+class TrainingFailed(RuntimeError):
+    """Any other failure while training (out of memory, a full disk, a bug): the message names
+    it, the last checkpoint and how to resume; ``__cause__`` is the failure itself."""
+
+
 class RunPosition(Protocol):
     round_number: int  # the round running now (1-based)
+    completed: int  # rounds completed (== round_number once the round ran)
     last_saved: tuple[int, Path | None]  # (round, checkpoint) of the newest checkpoint
     distributed: bool
     out: Path  # the run folder
@@ -63,20 +70,42 @@ def naming_the_last_checkpoint(run: RunPosition) -> Iterator[None]:
         raise TrainingDiverged(
             f"round {run.round_number}: {error}; stopping. {last_good_message(run.last_saved)}"
         ) from None
+    except torch.linalg.LinAlgError as error:  # an aggregator's SVD that did not converge
+        raise TrainingDiverged(
+            f"round {run.round_number}: LinAlgError: {error}; stopping. "
+            f"{last_good_message(run.last_saved)}"
+        ) from error
     except RuntimeError as error:  # a collective failed, or a peer died or hung
         if isinstance(error, CollectiveFailed) or (
             run.distributed and isinstance(error.__cause__, RuntimeError)
         ):
-            restart = (
-                "Restart every process with --resume to continue from it."
-                if run.last_saved[1] is not None
-                else "Restart every process without --resume (there is nothing to resume"
-                f"{'; with --force' if previous_run(run.out) else ''})."
-            )
             raise CollectiveFailed(
-                f"round {run.round_number}: {error}. {last_good_message(run.last_saved)} {restart}"
+                f"round {run.round_number}: {error}. {last_good_message(run.last_saved)} "
+                f"{restart_advice(run)}"
             ) from error
         raise
+
+
+@contextmanager
+def failing_resumably(run: RunPosition) -> Iterator[None]:
+    """Re-raise any failure not stopped on purpose (out of memory, a full disk, a bug) as
+    :class:`TrainingFailed`: ``round K: <type>: <message>; stopping.``, the last checkpoint and
+    how to resume from it; the failure is its ``__cause__``."""
+    try:
+        yield
+    except (TrainingInterrupted, TrainingDiverged, CollectiveFailed):
+        raise
+    except Exception as error:
+        where = (
+            f"round {run.round_number}"
+            if run.completed < run.round_number
+            else f"after round {run.completed}"
+        )
+        message = " ".join(str(error).split())
+        raise TrainingFailed(
+            f"{where}: {type(error).__name__}{': ' + message if message else ''}; stopping. "
+            f"{last_good_message(run.last_saved)} {restart_advice(run)}"
+        ) from error
 
 
 def check_finite_loss(train_loss: float, round_number: int) -> None:
@@ -128,6 +157,19 @@ def resume_message(what: str, last_saved: tuple[int, Path | None], out: Path) ->
             f"{start_over_advice(out)}"
         )
     return f"interrupted {what}; --resume continues from {path} (after round {round_index})"
+
+
+def restart_advice(run: RunPosition) -> str:
+    """How to go on after a failure: ``--resume`` from the last checkpoint, or start over."""
+    saved = run.last_saved[1] is not None
+    if run.distributed:
+        if saved:
+            return "Restart every process with --resume to continue from it."
+        force = "; with --force" if previous_run(run.out) else ""
+        return f"Restart every process without --resume (there is nothing to resume{force})."
+    if saved:
+        return "Run the same command with --resume to continue from it."
+    return f"There is nothing to resume: {start_over_advice(run.out)}."
 
 
 def last_good_message(last_saved: tuple[int, Path | None]) -> str:

@@ -25,9 +25,11 @@ from mergekit_loco.train.checkpoint import pointed_name
 from mergekit_loco.train.config import TrainConfig, preset_config
 from mergekit_loco.train.guards import (
     TrainingDiverged,
+    TrainingFailed,
     check_finite_loss,
     check_finite_val_loss,
     check_not_exploded,
+    failing_resumably,
     interrupted_at_once,
     last_good_message,
     naming_the_last_checkpoint,
@@ -40,7 +42,7 @@ from mergekit_loco.train.run_folder import save_final
 from mergekit_loco.train.signals import StopSignals, TrainingInterrupted
 from mergekit_loco.train.workers import open_worker_group
 
-__all__ = ["TrainResult", "TrainingDiverged", "TrainingInterrupted", "train"]
+__all__ = ["TrainResult", "TrainingDiverged", "TrainingFailed", "TrainingInterrupted", "train"]
 
 
 @dataclass
@@ -76,7 +78,13 @@ def train(config: TrainConfig, progress: bool = True) -> TrainResult:
         display = ProgressDisplay(show and group.is_main, run.rounds, steps_per_round,
                                   run.start_round)  # fmt: skip
         driving = run.driver or contextlib.nullcontext()
-        with interrupted_at_once(run), display, driving, naming_the_last_checkpoint(run):
+        with (
+            failing_resumably(run),
+            interrupted_at_once(run),
+            display,
+            driving,
+            naming_the_last_checkpoint(run),
+        ):
             for round_index in range(run.start_round, last_round):
                 run.round_number = round_index + 1
                 if stop.requested:  # between rounds: the state is that of a completed round
@@ -94,7 +102,7 @@ def train(config: TrainConfig, progress: bool = True) -> TrainResult:
                 log_round(run, train_loss, round_seconds)
                 if config.run.stop_after is not None and run.completed >= config.run.stop_after:
                     break
-        with interrupted_at_once(run):
+        with failing_resumably(run), interrupted_at_once(run):
             return finish(run, summary=show and group.is_main)
 
 

@@ -157,8 +157,7 @@ class Run:
                 f"checkpoint file {path / STATE} says round {saved.round}, beyond this run's "
                 f"{self.rounds} rounds"
             )
-        if set(saved.global_params) != set(self.global_params):
-            raise ValueError(f"checkpoint {path} holds other tensors than the model")
+        check_same_shapes(path, saved.global_params, self.global_params)
         if saved.data and saved.data != self.data.source:
             raise ValueError(
                 f"checkpoint {path}: the run trained on other data than --data "
@@ -191,6 +190,31 @@ class Run:
         self.last_saved = (saved.round, path)
         self.seconds_before = saved.seconds
         self.resumed_world_size = saved.world_size
+
+
+def check_same_shapes(
+    path: Path, saved: dict[str, torch.Tensor], params: dict[str, torch.Tensor]
+) -> None:
+    """Refuse (ValueError) a checkpoint whose global tensors are not the model's, by name and
+    shape: a model that changed though ``--model`` did not (the config.json it names edited,
+    ``--init`` of another architecture, another vocabulary) cannot load its state."""
+    names = [*params, *(name for name in saved if name not in params)]
+    differ = [
+        name
+        for name in names
+        if name not in saved or name not in params or saved[name].shape != params[name].shape
+    ]
+    if not differ:
+        return
+    first = differ[0]
+    there, here = (list(t[first].shape) if first in t else "absent" for t in (saved, params))
+    raise ValueError(
+        f"checkpoint {path} holds another model than this run builds ({len(differ)} of "
+        f"{len(names)} tensors differ; {first}: {there} there, {here} here); the model "
+        "(--model and its config.json, --init, the vocabulary: --tokenizer, --vocab-size) cannot "
+        "change on resume, even with --allow-config-change: resume with the run's, or start a "
+        "new run in another --out"
+    )
 
 
 def driver_state(shared: dict, driver: DiLoCo) -> dict:

@@ -120,9 +120,13 @@ def check_resume_keeps_user_files(out: Path, checkpoint: Path) -> None:
 
 
 #: Options a resume cannot change, even with --allow-config-change: the mode and the workers
-#: (a checkpoint holds the state of each worker, and a DiLoCo one an outer optimizer), and the
-#: round size (rounds and token counts are counted in rounds of the run's size).
-FIXED_ON_RESUME = ("mode", "workers", "global_batch", "seq_len", "inner_steps")
+#: (a checkpoint holds the state of each worker, and a DiLoCo one an outer optimizer), the round
+#: size (rounds and token counts are counted in rounds of the run's size), the model (its
+#: parameters' shapes are those of every saved tensor) and the inner optimizer (muon keeps other
+#: state than adamw).
+FIXED_ON_RESUME = (
+    "mode", "workers", "global_batch", "seq_len", "inner_steps", "model", "inner_optimizer",
+)  # fmt: skip
 
 
 def check_fixed_on_resume(
@@ -140,11 +144,12 @@ def check_fixed_on_resume(
         f"--{name.replace('_', '-')} {theirs[name]} -> {mine[name]}" for name in changed
     )
     raise ValueError(
-        f"{checkpoint} holds a {kind} run of {saved.run.workers} workers, rounds of "
+        f"{checkpoint} holds a {kind} run of {saved.run.workers} workers (model "
+        f"{saved.model.name}, {saved.inner.optimizer} inner optimizer), rounds of "
         f"{saved.inner.steps} inner steps x global batch {saved.data.global_batch} x seq len "
-        f"{saved.data.seq_len} = {saved.tokens_per_round():,} tokens; mode, workers and round "
-        f"size cannot change on resume, even with --allow-config-change ({flags}){note}: resume "
-        "with the run's values, or start a new run in another --out"
+        f"{saved.data.seq_len} = {saved.tokens_per_round():,} tokens; mode, workers, round size, "
+        "model and inner optimizer cannot change on resume, even with --allow-config-change "
+        f"({flags}){note}: resume with the run's values, or start a new run in another --out"
     )
 
 

@@ -176,7 +176,6 @@ class WorkerGroup:
                 f"{workers} workers cannot be split evenly over {self.world_size} processes "
                 "(workers must be a multiple of --nproc_per_node x nodes)"
             )
-        self.total_workers = workers
         self.device = device
         per_process = workers // self.world_size
         self.worker_ids = list(range(self.rank * per_process, (self.rank + 1) * per_process))
