@@ -19,6 +19,10 @@ from mergekit_loco.io.files import shown
 USER_ERRORS = (ValueError, KeyError, OSError, OverflowError)
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
+#: A run or a sweep's cell failed while running (diverged, a torchrun peer died or hung, its
+#: process was killed, or anything else failed: out of memory, a full disk); the message names
+#: the last good checkpoint.
+EXIT_RUN_FAILED = 1
 
 Debug = Annotated[bool, typer.Option("--debug", help="Show the traceback of an error.")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar, no summary.")]

@@ -11,6 +11,7 @@ import typer
 from mergekit_loco.cli.catalog import method_names
 from mergekit_loco.cli.common import (
     EXIT_INTERRUPTED,
+    EXIT_RUN_FAILED,
     Debug,
     Quiet,
     path_parser,
@@ -25,9 +26,6 @@ from mergekit_loco.run_layout import check_output_parent, check_run_folder_name
 MODES = ("aggregators", "merge")
 DEFAULT_AGGREGATORS = "diloco,isoloco,isoloco-ns,ties,tsv,iso-cts"
 DEFAULT_MERGE_METHODS = "mean,ta,ties,dare,tsv,iso-c,iso-cts"
-#: A cell's process died (killed, e.g. out of memory, or crashed): the sweep failed while running,
-#: as a train run that diverged does (train's exit code 1). Bad input is 2, an interruption 130.
-EXIT_CELL_DIED = 1
 
 
 def split_list(option: str, text: str | None, kind: type = str) -> list:
@@ -309,16 +307,11 @@ def compare_command(
     except (KeyboardInterrupt, TrainingInterrupted):
         print_error("interrupted; finished cells are kept: run the same command to resume")
         raise typer.Exit(EXIT_INTERRUPTED) from None
-    except sweeping.CellDied as died:
+    except (sweeping.CellDied, TrainingFailed) as failure:  # killed, or out of memory or disk
         if debug:
             raise
-        print_error(str(died))
-        raise typer.Exit(EXIT_CELL_DIED) from None
-    except TrainingFailed as failed:  # a cell ran out of memory or disk: one line, as mloco train
-        if debug:
-            raise
-        print_error(str(failed))
-        raise typer.Exit(EXIT_CELL_DIED) from None
+        print_error(str(failure))
+        raise typer.Exit(EXIT_RUN_FAILED) from None
 
 
 @user_errors

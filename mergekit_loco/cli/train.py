@@ -15,6 +15,7 @@ import typer
 from mergekit_loco.cli.catalog import method_names
 from mergekit_loco.cli.common import (
     EXIT_INTERRUPTED,
+    EXIT_RUN_FAILED,
     Debug,
     one_line,
     path_parser,
@@ -39,10 +40,6 @@ from mergekit_loco.train.config import (
 
 #: --threads at most this many times the CPUs: torch starts every thread it is given.
 THREADS_PER_CPU = 4
-#: The run failed while running (diverged, a torchrun peer died or hung, or anything else failed:
-#: out of memory, a full disk); the message names the last good checkpoint. Bad input is 2, an
-#: interruption 130.
-EXIT_RUN_FAILED = 1
 
 
 def parse_aggregator_options(pairs: list[str], flags: dict[str, object]) -> dict[str, object]:

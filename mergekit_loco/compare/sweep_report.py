@@ -152,10 +152,10 @@ def tuned_settings(summary: Sequence[SummaryRow]) -> list[dict]:
             {
                 "aggregator": aggregator,
                 "inner_steps": steps,
-                "outer_lr": best[0] if best else None,
-                "outer_momentum": best[1] if best else None,
+                "outer_lr": best and best[0],
+                "outer_momentum": best and best[1],
                 "workers": sorted(row.workers for row in rows),
-                "mean_loss": score[best] if best else None,
+                "mean_loss": score.get(best),
                 "grid_edges": list(grid_edges(shared, best)) if best else [],
                 "grid_edges_at_R": {str(r.workers): list(r.grid_edges) for r in rows},
                 "incomplete": [describe_setting(s) for s in sorted(tried - shared, key=_sort_key)],

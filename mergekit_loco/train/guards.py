@@ -93,8 +93,8 @@ def failing_resumably(run: RunPosition) -> Iterator[None]:
     how to resume from it; the failure is its ``__cause__``."""
     try:
         yield
-    except (TrainingInterrupted, TrainingDiverged, CollectiveFailed):
-        raise
+    except (TrainingInterrupted, TrainingDiverged, CollectiveFailed, DataExhausted):
+        raise  # stopped on purpose, with its own advice
     except Exception as error:
         where = (
             f"round {run.round_number}"
