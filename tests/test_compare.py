@@ -366,6 +366,8 @@ def test_merge_comparison_end_to_end(tmp_path, domains):
         with pytest.raises(FolderInUse, match=rf"cmp is in use .* \(PID {os.getpid()}\) comp"):
             merges.compare_merges(base.out / "final", finetuned, domains, ["ties"], [1.0],
                                   tmp_path / "cmp", eval_tokens=1024, seq_len=32)  # fmt: skip
+        with pytest.raises(FolderInUse, match=rf"\(PID {os.getpid()}\) writing into it"):
+            render([tmp_path / "cmp"], figures=False)  # nor a report
     assert (tmp_path / "cmp" / "merged" / "ties-1").stat().st_mtime_ns == before
     render([tmp_path / "cmp"], figures=False)
     assert (tmp_path / "cmp" / "merged" / "ties-1").stat().st_mtime_ns == before
@@ -711,6 +713,12 @@ def test_a_second_compare_into_a_results_folder_in_use_is_refused(tmp_path, caps
             f"error: {out} is in use by another mloco process (PID {sweep.pid}) comparing into "
             "it; wait for it to finish or stop it, then run the same command again (it keeps "
             "what it did)\n"
+        )
+        with pytest.raises(SystemExit) as exited:  # nor is a report written into it meanwhile
+            main(["report", str(out)])
+        assert exited.value.code == 2
+        assert f"{out} is in use by another mloco process (PID {sweep.pid}) writing into it; " in (
+            capsys.readouterr().err
         )
         assert snapshot(out) == before
     finally:

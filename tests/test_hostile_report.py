@@ -11,7 +11,7 @@ import statistics
 import pytest
 from hostile import assert_refused, run_cli, snapshot
 
-from mergekit_loco.compare import runs
+from mergekit_loco.compare import results_lock, runs
 from mergekit_loco.compare.stats import spread
 
 
@@ -153,3 +153,35 @@ def test_report_of_a_training_run_says_it_takes_a_compare_folder(capsys, tmp_pat
                           f"compare -o (mloco eval {run / 'final'} scores")  # fmt: skip
     assert "--force" not in line
     assert snapshot(tmp_path) == before
+
+
+def test_a_report_into_a_folder_in_use_is_refused_and_one_elsewhere_is_not(capsys, tmp_path):
+    """``mloco report DIR`` while a comparison holds DIR's lock (before: it re-rendered the
+    sweep under the comparison's feet): exit 2 naming the holder's PID, DIR unchanged; with
+    ``-o NEW`` it reads DIR and writes NEW, and DIR is still unchanged."""
+    results = tmp_path / "results"
+    run = results / "runs" / "diloco-R2-H2-s0"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(CONFIG)
+    (run / "metrics.jsonl").write_text(FINAL + "\n")
+    with results_lock(results) as comparing:
+        comparing.acquire()
+        before = snapshot(tmp_path)
+        code, err, _ = run_cli(capsys, "report", results)
+        assert_refused(
+            code,
+            err,
+            f"{results} is in use by another mloco process (PID {os.getpid()}) writing into it",
+            "to see the report meanwhile, give -o a new folder",
+        )
+        assert snapshot(tmp_path) == before
+        code, err, _ = run_cli(capsys, "report", results, "-o", tmp_path / "new", "--no-figures")
+        assert code == 0, err
+        assert "diloco-R2-H2-s0" in (tmp_path / "new" / "results.csv").read_text()
+        after = snapshot(tmp_path)
+        assert {
+            name: entry for name, entry in after.items() if name.split("/")[0] != "new"
+        } == before
+    code, err, _ = run_cli(capsys, "report", results, "--no-figures")  # its lock released
+    assert code == 0, err
+    assert (results / "results.csv").is_file()

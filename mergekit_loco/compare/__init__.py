@@ -11,11 +11,14 @@ Importing this package loads no torch: ``mloco report`` re-renders without it.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from contextlib import nullcontext
 from pathlib import Path
 
 from rich.console import Console
 
+from mergekit_loco.io.atomic import LOCK_FILE
 from mergekit_loco.io.lock import FolderLock
 
 
@@ -44,16 +47,36 @@ def render(
 ) -> None:
     """Re-render what ``mloco compare`` left in ``folders`` into ``out`` (default: the folder
     itself): one sweep, or one or more merge comparisons (combined as fine-tune sets; then
-    ``out`` is required)."""
+    ``out`` is required). A folder some mloco process once locked (it holds the lock file) is
+    locked while the report writes there: a comparison still running in it is not re-rendered
+    under its feet (:class:`~mergekit_loco.io.lock.FolderInUse`, naming its PID)."""
     from mergekit_loco.compare.merge_report import EVALUATIONS, report_merges
     from mergekit_loco.compare.sweep_report import report_sweep
 
     folders = [Path(folder) for folder in folders]
-    if all((folder / EVALUATIONS).is_file() for folder in folders):
-        if out is None and len(folders) > 1:
-            raise ValueError("combining several merge comparisons needs --output")
-        report_merges(folders, out or folders[0], console=console, figures=figures)
-    elif len(folders) == 1:
-        report_sweep(folders[0], console=console, figures=figures, out=out)
-    else:
+    merging = all((folder / EVALUATIONS).is_file() for folder in folders)
+    if merging and out is None and len(folders) > 1:
+        raise ValueError("combining several merge comparisons needs --output")
+    if not merging and len(folders) > 1:
         raise ValueError("several folders combine merge comparisons only (with evaluations.json)")
+    with report_lock(Path(out) if out is not None else folders[0]):
+        if merging:
+            report_merges(folders, out or folders[0], console=console, figures=figures)
+        else:
+            report_sweep(folders[0], console=console, figures=figures, out=out)
+
+
+def report_lock(out: Path) -> FolderLock | nullcontext:
+    """The lock a report takes on ``out``, held: only where a lock file is already there (a
+    folder of ours that a comparison, a training run or a report wrote), so a folder the report
+    then refuses gains no file."""
+    if not os.path.lexists(out / LOCK_FILE):
+        return nullcontext()
+    lock = FolderLock(
+        out,
+        "writing into it",
+        "run mloco report again (a comparison writes its own report when it ends); to see the "
+        "report meanwhile, give -o a new folder",
+    )
+    lock.acquire()
+    return lock
