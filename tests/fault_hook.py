@@ -1,7 +1,8 @@
 """Test-only fault injection (docs/reliability.md), installed by patching, never by a hook in
 the trainer: ``MLOCO_FAULT_AT=RANK:ROUND:TURN:SIGNAL`` makes the process of rank RANK send
 itself SIGSIGNAL (KILL: dies, STOP: hangs, TERM, INT) before its TURN-th worker turn of round
-ROUND, or before the outer step for TURN = its workers + 1 (all counted from 1, fresh runs).
+ROUND, or before the outer step for TURN = its workers + 1 (all counted from 1, fresh runs);
+SIGNAL ``OOM`` raises ``torch.OutOfMemoryError`` there instead.
 
 ``python tests/fault_launcher.py train ...`` (also under torchrun) is ``mloco train ...`` with
 the fault of ``MLOCO_FAULT_AT`` installed.
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import os
 import signal
+
+import torch
 
 from mergekit_loco.train import rounds
 from mergekit_loco.train.diloco import DiLoCo
@@ -26,6 +29,8 @@ def install(fault: str, monkeypatch=None) -> None:
     where = (int(round_number), int(turn))
 
     def send() -> None:
+        if name == "OOM":
+            raise torch.OutOfMemoryError(f"out of memory (injected at rank {rank})")
         os.kill(os.getpid(), signal.Signals[f"SIG{name}"])
 
     real_turn, real_outer_step, seen = rounds.worker_turn, DiLoCo.outer_step, {"round": 0}

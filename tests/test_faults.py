@@ -14,6 +14,7 @@ import dataclasses
 import errno
 import json
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -227,6 +228,33 @@ def test_killed_torchrun_worker_fails_the_run_fast_and_resume_matches(corpus, tm
     for name, tensor in final_params(out).items():  # torchrun = simulated up to float rounding
         torch.testing.assert_close(tensor, expected[name], rtol=1e-5, atol=1e-6)
     assert rounds_logged(out) == [1, 2, 3, 4]
+
+
+def test_out_of_memory_in_one_torchrun_worker_says_to_restart_every_process(corpus, tmp_path):
+    """torch.OutOfMemoryError in rank 1's round 3 under torchrun (checkpoints after rounds 1,
+    2): rank 1 exits with one line naming the error, the last good checkpoint and that every
+    process restarts with --resume (a torchrun launch is restarted whole, not one rank); no
+    worker prints a traceback; every process of the launch ends."""
+    out = tmp_path / "run"
+    torchrun = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+        LAUNCHER, "train", f"--timeout={TORCHRUN_TIMEOUT_S}",
+    ]  # fmt: skip
+    process = launch([*torchrun, *cli_flags(corpus, out), "--checkpoint-every=1"], "1:3:1:OOM")
+    try:
+        failed = finish(process)
+        leftovers = alive_in_group(failed.group_id)
+    finally:
+        kill_group(process)
+    assert leftovers == [], f"processes left running: {leftovers}"
+    assert failed.returncode != 0
+    assert (
+        "error: round 3: OutOfMemoryError: out of memory (injected at rank 1); stopping. The last "
+        f"good checkpoint is {out / 'checkpoints' / 'round-000002'} (after round 2). Restart "
+        "every process with --resume to continue from it.\n"
+    ) in failed.stderr
+    assert failed.stderr.count("Traceback") == 1  # torchrun's own ChildFailedError, no worker's
 
 
 @pytest.mark.slow
@@ -629,6 +657,68 @@ def test_out_of_memory_mid_round_names_the_checkpoint_and_resume_is_exact(
     assert code == 0, err
     assert final_checksum(out) == reference.checksum
     assert rounds_logged(out) == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize(
+    ("round_number", "last_good"),
+    [(3, "The last good checkpoint is {checkpoint} (after round 2)."), (1, "No checkpoint was "
+     "written before it.")],
+)  # fmt: skip
+def test_a_compare_cell_out_of_memory_says_to_rerun_compare(
+    corpus, tmp_path, capsys, monkeypatch, round_number, last_good
+):
+    """torch.OutOfMemoryError in a cell of mloco compare (before: train's advice, "the same
+    command with --resume", an option compare does not take): exit 1, one line naming the
+    cell, the round, the checkpoint, and that the same compare command goes on; it does, and
+    the cell ends with the parameters of a cell that never failed."""
+    cell = "diloco-R2-H2-s0"
+
+    def compare(out: Path) -> list[str]:
+        return ["compare", "--aggregators", "diloco", "--workers", "2", "--no-baseline",
+                "--model", "micro", "--inner-steps", "2", "--global-batch", "8", "--seq-len",
+                "32", "--vocab-size", "512", "--val-tokens", "1024", "--tokens", "2048",
+                "--data", corpus, "--checkpoint-every", "1", "--seeds", "0,", "--jobs", "1",
+                "--no-figures", "--quiet", "-o", str(out)]  # fmt: skip
+
+    out = tmp_path / "cmp"
+    failing_turns(monkeypatch, round_number, torch.OutOfMemoryError("CUDA out of memory"))
+    code, err, _ = hostile.run_cli(capsys, *compare(out))
+    assert code == 1, err
+    checkpoint = out / "runs" / cell / "checkpoints" / "round-000002"
+    then = "resumes from it" if round_number > 1 else "starts over"
+    assert err == (
+        f"error: cell {cell}: round {round_number}: OutOfMemoryError: CUDA out of memory; "
+        f"stopping. {last_good.format(checkpoint=checkpoint)} Run the same compare command to go "
+        f"on: finished cells are kept, this one {then}.\n"
+    )
+    monkeypatch.undo()
+    code, err, _ = hostile.run_cli(capsys, *compare(out))
+    assert code == 0, err
+    code, err, _ = hostile.run_cli(capsys, *compare(tmp_path / "never-failed"))
+    assert code == 0, err
+    assert final_checksum(out / "runs" / cell) == final_checksum(
+        tmp_path / "never-failed" / "runs" / cell
+    )
+
+
+def test_a_training_failure_survives_the_trip_from_a_pool_process():
+    """A compare cell under --jobs 2 fails in a pool process; its TrainingFailed is pickled
+    back to the sweep, which prints it: the same line, the same fields."""
+    failed = TrainingFailed("cell c: round 3: OSError: disk full", (2, Path("ck")), "Rerun.")
+    back = pickle.loads(pickle.dumps(failed))
+    assert (
+        str(back)
+        == str(failed)
+        == (
+            "cell c: round 3: OSError: disk full; stopping. The last good checkpoint is ck (after "
+            "round 2). Rerun."
+        )
+    )
+    assert (back.failure, back.last_saved, back.advice) == (
+        failed.failure,
+        (2, Path("ck")),
+        "Rerun.",
+    )
 
 
 def test_a_full_disk_at_the_first_checkpoint_says_to_start_over(

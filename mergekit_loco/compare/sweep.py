@@ -53,6 +53,7 @@ from mergekit_loco.train.checkpoint import (
     latest_checkpoint,
 )
 from mergekit_loco.train.config import TrainConfig, preset_config
+from mergekit_loco.train.guards import TrainingFailed
 from mergekit_loco.train.loop import train
 from mergekit_loco.train.model import check_seq_len, model_config
 from mergekit_loco.train.run_folder import run_inputs
@@ -251,7 +252,9 @@ def run_cell(sweep: Sweep, cell: Cell, run_dir: Path, progress: bool = False) ->
     lr, or an SVD of the aggregator that does not converge) is an outcome of the cell, not an
     error of the sweep: it is recorded in ``failed.json`` and the sweep goes on (delete the
     folder to try it again). The checkpoints of a finished cell are deleted (final/ is kept).
-    A damaged only checkpoint is an error whose advice is compare's: delete the cell's folder.
+    A damaged only checkpoint is an error whose advice is compare's: delete the cell's folder;
+    so is any other failure (:class:`TrainingFailed`: out of memory, a full disk): rerun the
+    compare command, which resumes the cell from its last checkpoint (compare has no --resume).
     """
     resumable = latest_checkpoint(run_dir) is not None
     if resumable:  # checked as the sweep defines it, not as the saved config.json fills it in
@@ -270,6 +273,13 @@ def run_cell(sweep: Sweep, cell: Cell, run_dir: Path, progress: bool = False) ->
             "command again to train the cell from the start"
         )
         raise CheckpointCorrupt(str(error).replace(ONLY_CHECKPOINT_ADVICE, advice)) from None
+    except TrainingFailed as error:
+        then = "resumes from it" if error.last_saved[1] is not None else "starts over"
+        raise TrainingFailed(
+            f"cell {cell.name}: {error.failure}",
+            error.last_saved,
+            f"Run the same compare command to go on: finished cells are kept, this one {then}.",
+        ) from error.__cause__
     except (FloatingPointError, torch.linalg.LinAlgError) as error:
         failure = {"error": f"{type(error).__name__}: {error}"}
         write_atomically(run_dir / FAILED_FILE, json.dumps(failure) + "\n")

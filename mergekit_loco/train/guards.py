@@ -33,8 +33,17 @@ class TrainingDiverged(FloatingPointError):
 
 
 class TrainingFailed(RuntimeError):
-    """Any other failure while training (out of memory, a full disk, a bug): the message names
-    it, the last checkpoint and how to resume; ``__cause__`` is the failure itself."""
+    """Any other failure while training (out of memory, a full disk, a bug): ``failure`` says
+    what failed where (``round K: <type>: <message>``), ``last_saved`` is the newest
+    ``(round, checkpoint)`` (checkpoint None: none yet), ``advice`` how to go on; the message is
+    ``FAILURE; stopping. <the last checkpoint> ADVICE``. ``__cause__`` is the failure itself."""
+
+    def __init__(self, failure: str, last_saved: tuple[int, Path | None], advice: str) -> None:
+        super().__init__(failure, last_saved, advice)  # pickled as these: a compare cell's
+        self.failure, self.last_saved, self.advice = failure, last_saved, advice
+
+    def __str__(self) -> str:
+        return f"{self.failure}; stopping. {last_good_message(self.last_saved)} {self.advice}"
 
 
 class RunPosition(Protocol):
@@ -103,8 +112,9 @@ def failing_resumably(run: RunPosition) -> Iterator[None]:
         )
         message = " ".join(str(error).split())
         raise TrainingFailed(
-            f"{where}: {type(error).__name__}{': ' + message if message else ''}; stopping. "
-            f"{last_good_message(run.last_saved)} {restart_advice(run)}"
+            f"{where}: {type(error).__name__}{': ' + message if message else ''}",
+            run.last_saved,
+            restart_advice(run),
         ) from error
 
 
