@@ -67,6 +67,25 @@ def test_catastrophic_pattern_keys_are_refused_naming_the_file_and_key(
     assert time.monotonic() - started < 5
 
 
+@pytest.mark.parametrize("key", [".*" * 10 + "b", ".*a.*a.*a.*b", r"(\w+)?\d*\.?\d*x"])
+def test_pattern_keys_of_many_repeats_are_refused_before_any_match(tmp_path, capsys, key):
+    """Before, ten ``.*`` in a row (no repeat nested in another) took 7 s on a module name of 31
+    characters, growing steeply with its length: a failed match tries every way to share the
+    name among the repeats (here, 100 characters: not waited for). A key of
+    more than three repeats of varying count is refused, by the dense merge and --lora-output
+    alike, before any module is matched."""
+    module = "a" * 100
+    base = zero_base(tmp_path / "base.safetensors", [module])
+    folder = write_factors(tmp_path / "hostile", factors_of({module: 2}), rank_pattern={key: 2})
+    config = str(folder / "adapter_config.json")
+    started = time.monotonic()
+    assert_refused_by_both(
+        capsys, tmp_path, [folder], base, config, f"rank_pattern key {json.dumps(key)} holds",
+        f"repeats (*, +, ? or {{m,n}}), more than the {lora.MAX_KEY_REPEATS} read", "refused",
+    )  # fmt: skip
+    assert time.monotonic() - started < 5
+
+
 def test_pattern_keys_real_adapters_use_still_apply(tmp_path, capsys):
     """Plain dotted names, ``.*q_proj``, ``\\d+`` and an alternation outside any repeat keep
     PEFT's meaning: each module gets r and lora_alpha from the first key that applies."""
@@ -75,6 +94,7 @@ def test_pattern_keys_real_adapters_use_still_apply(tmp_path, capsys):
         ".*q_proj": 16,
         r"model\.layers\.\d+\.mlp": 32,
         r"layers\.(0|1|2)\.self_attn": 64,
+        r".*\.layers\.\d+\..*_proj": 8,  # three repeats: the most a key may hold
     }
     alphas = {  # by hand: the first key that applies (rank 2), else r 3 and lora_alpha 4
         "lm.head": 1,
@@ -82,6 +102,7 @@ def test_pattern_keys_real_adapters_use_still_apply(tmp_path, capsys):
         "model.layers.10.mlp": 32,
         "model.layers.1.self_attn": 64,
         "model.layers.7.self_attn": 4,
+        "model.layers.3.mlp.up_proj": 8,
     }
     ranks = {module: 3 if alpha == 4 else 2 for module, alpha in alphas.items()}
     base = zero_base(tmp_path / "base.safetensors", alphas)
