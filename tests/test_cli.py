@@ -273,6 +273,27 @@ def test_threads_follow_the_flag_then_the_environment_then_the_idle_cores(monkey
     assert threads.choose_threads(None) == (4, "4 physical cores")
 
 
+def test_physical_cores_and_cpu_times_read_the_kernel_files_by_hand(tmp_path, monkeypatch):
+    """CPU lists as Linux writes them (one thread per core, two as ``0,4`` or ``0-1``) divide
+    the 8 logical CPUs; the ``cpu`` line of /proc/stat gives (idle + iowait, the sum of the
+    first eight counters); a missing or garbled file falls back (all CPUs; no sample)."""
+    from mergekit_loco.cli import threads
+
+    monkeypatch.setattr(threads, "usable_cores", lambda: 8)
+    siblings = tmp_path / "thread_siblings_list"
+    for text, cores in (("0\n", 8), ("0,4\n", 4), ("0-1\n", 4), ("0-3\n", 2), ("x-y", 8)):
+        siblings.write_text(text)
+        assert threads.physical_cores(siblings) == cores, text
+    assert threads.physical_cores(tmp_path / "missing") == 8
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  10 1 5 70 4 2 3 5 9 9\ncpu0 5 0 2 35 2 1 1 2 0 0\n")
+    assert threads.cpu_times(stat) == (70 + 4, 10 + 1 + 5 + 70 + 4 + 2 + 3 + 5)
+    for garbled in ("", "intr 1 2 3 4 5\n", "cpu 1 2 x 4 5\n", "cpu 1 2 3\n"):
+        stat.write_text(garbled)
+        assert threads.cpu_times(stat) is None, garbled
+    assert threads.cpu_times(tmp_path / "missing") is None
+
+
 @pytest.mark.parametrize(
     ("args", "advice"),
     [

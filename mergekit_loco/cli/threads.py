@@ -28,28 +28,36 @@ def usable_cores() -> int:
     return os.cpu_count() or 1
 
 
-def physical_cores() -> int:
-    """Usable cores, counting hyper-threads of one core once (where Linux says which)."""
+SIBLINGS = Path("/sys/devices/system/cpu/cpu0/topology/thread_siblings_list")
+STAT = Path("/proc/stat")
+
+
+def physical_cores(siblings: Path = SIBLINGS) -> int:
+    """Usable cores, counting hyper-threads of one core once: ``logical // threads per core``,
+    the threads of CPU 0's core read from ``siblings`` (a Linux CPU list: ``0``, ``0,4``,
+    ``0-1``); the logical count where it is missing or unreadable."""
     logical = usable_cores()
-    siblings = Path("/sys/devices/system/cpu/cpu0/topology/thread_siblings_list")
     try:
         text = siblings.read_text().strip()
-    except OSError:
+        per_core = sum(
+            int(high) - int(low) + 1 if high else 1
+            for low, _, high in (part.partition("-") for part in text.split(","))
+        )
+    except (OSError, ValueError):
         return logical
-    per_core = sum(
-        int(high) - int(low) + 1 if high else 1
-        for low, _, high in (part.partition("-") for part in text.split(","))
-    )
     return max(1, logical // max(1, per_core))
 
 
-def cpu_times() -> tuple[int, int] | None:
-    """``(idle, total)`` jiffies of all CPUs since boot, or None without ``/proc/stat``."""
+def cpu_times(stat: Path = STAT) -> tuple[int, int] | None:
+    """``(idle, total)`` jiffies of all CPUs since boot, from the ``cpu`` line of ``stat``
+    (user nice system idle iowait irq softirq steal ...); None where it is missing or not that."""
     try:
-        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-    except (OSError, IndexError):
+        fields = stat.read_text().splitlines()[0].split()
+        values = [int(value) for value in fields[1:9]]
+    except (OSError, IndexError, ValueError):
         return None
-    values = [int(value) for value in fields[:8]]
+    if fields[0] != "cpu" or len(values) < 5:
+        return None
     return values[3] + values[4], sum(values)  # idle + iowait, all
 
 
