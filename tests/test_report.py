@@ -451,6 +451,24 @@ def test_tuning_picks_the_mean_over_r_and_flags_grid_edges(tmp_path):
         assert {r["outer_momentum"] for r in csv.DictReader(handle)} == {"0.8", "0.9"}
 
 
+def test_grid_edges_by_hand():
+    """Each coordinate of the chosen setting against the values tried with the other held at
+    its chosen value: lowest, highest, interior, or one value (no edge); no momentum (outer
+    SGD) has no momentum edge."""
+    edges = sweep_report.grid_edges
+    full = [(lr, m) for lr in (0.5, 1.0, 2.0) for m in (0.8, 0.9)]
+    assert edges(full, (0.5, 0.8)) == ("outer lr: lowest tried", "outer momentum: lowest tried")
+    assert edges(full, (2.0, 0.9)) == ("outer lr: highest tried", "outer momentum: highest tried")
+    assert edges(full, (1.0, 0.9)) == ("outer momentum: highest tried",)
+    # momentum 0.7 tried at lr 0.5 only: lr 1.0's momenta are 0.8, 0.9; lr 0.5's, 0.7 to 0.9
+    extended = [*full, (0.5, 0.7)]
+    assert edges(extended, (0.5, 0.8)) == ("outer lr: lowest tried",)
+    assert edges(extended, (1.0, 0.8)) == ("outer momentum: lowest tried",)
+    assert edges(extended, (0.5, 0.7)) == ("outer momentum: lowest tried",)  # lr 0.5 alone there
+    assert edges([(0.8, None), (1.6, None)], (0.8, None)) == ("outer lr: lowest tried",)
+    assert edges([(1.6, None)], (1.6, None)) == ()
+
+
 def test_tuning_uses_only_settings_finished_on_every_seed_at_every_r(tmp_path):
     # diloco at R = 2 and 4, outer lr 0.7 (preset) and 0.35, seeds 0 and 1; lr 0.35 at R = 2
     # has only seed 0 finished, with a low loss: per R and over R, lr 0.7 is chosen, and 0.35
