@@ -618,6 +618,10 @@ def test_cli_divergence_exits_1_in_one_line(corpus, tmp_path):
     assert ONE_LINE_ERROR.fullmatch(diverged.stderr), diverged.stderr
     assert diverged.stderr.startswith("error: round 1: the global parameters exploded")
     assert diverged.stderr.endswith("No checkpoint was written before it.\n")
+    with pytest.raises(TrainingDiverged, match=r"^round 1: the global parameters exploded"):
+        main(
+            ["train", *cli_flags(corpus, tmp_path), "--inner-lr=1e6", "--force", "--debug"]
+        )  # traceback
 
 
 # -- any other failure ---------------------------------------------------------------------------
