@@ -78,6 +78,11 @@ def damage(run: Path, case: str, sentinel: Path) -> tuple[Path, str]:
     if case == "state_not_json":
         (folder / "state.json").write_text('{"round": 1, "round": 2}')
         return folder / "state.json", "appears twice"
+    if case in STATE_DAMAGE:
+        change, fragment = STATE_DAMAGE[case]
+        state = json.loads((folder / "state.json").read_text())
+        (folder / "state.json").write_text(json.dumps(change(state)))
+        return folder / "state.json", fragment
     if case == "manifest_names_outside":
         manifest = json.loads((folder / "manifest.json").read_text())
         manifest["files"]["../../../secret"] = "0" * 64
@@ -86,9 +91,26 @@ def damage(run: Path, case: str, sentinel: Path) -> tuple[Path, str]:
     raise AssertionError(case)
 
 
+#: Damage to one field of state.json (rehashed into the manifest): change -> what the error says.
+STATE_DAMAGE = {
+    "state_a_list": (lambda s: [s], "is not a JSON object"),
+    "state_round_zero": (lambda s: s | {"round": 0}, 'has no "round" (a positive integer)'),
+    "state_round_text": (lambda s: s | {"round": "1"}, 'has no "round" (a positive integer)'),
+    "state_world_zero": (lambda s: s | {"world_size": 0}, 'has no "world_size"'),
+    "state_world_bool": (lambda s: s | {"world_size": True}, 'has no "world_size"'),
+    "state_config_list": (lambda s: s | {"config": []}, 'has no "config" (a JSON object)'),
+    "state_data_short": (lambda s: s | {"data": "ab12"}, 'has a "data" that is not a sha256'),
+    "state_seconds_negative": (lambda s: s | {"seconds": -1}, 'has a "seconds" that is not'),
+    "state_seconds_huge": (lambda s: s | {"seconds": 10**400}, 'has a "seconds" that is not'),
+    "state_bounds_falling": (lambda s: s | {"data_bounds": [512, 256]}, "not a rising list"),
+    "state_bounds_empty": (lambda s: s | {"data_bounds": []}, "not a rising list"),
+}
+
+
 @pytest.mark.parametrize("case", ["global_garbage", "global_nan", "evil_pickle",
                                   "shared_missing_key", "worker_not_a_state", "state_no_round",
-                                  "state_not_json", "manifest_names_outside"])  # fmt: skip
+                                  "state_not_json", "manifest_names_outside",
+                                  *STATE_DAMAGE])  # fmt: skip
 def test_resume_from_a_damaged_checkpoint_names_the_file(capsys, tmp_path, corpus, stopped, case):
     run = tmp_path / "run"
     shutil.copytree(stopped, run)
