@@ -184,6 +184,33 @@ def test_index_shards_must_be_files_inside_the_folder(capsys, tmp_path, good, ca
     assert snapshot(tmp_path) == before
 
 
+@pytest.mark.parametrize(
+    ("index_text", "fragment"),
+    [
+        ('{"weight_map": {"a": "s1.safe', "not valid JSON"),
+        ('[{"weight_map": {}}]', "bad index: expected a JSON object whose weight_map maps"),
+        ('{"metadata": {}}', "bad index: expected a JSON object whose weight_map maps"),
+        ('{"weight_map": ["s1.safetensors"]}', "bad index: expected a JSON object"),
+        ('{"weight_map": {"a": "s9.safetensors"}}', "points at missing shard s9.safetensors "
+         "(for tensor 'a')"),
+        ('{"weight_map": {"a": "s1.safetensors", "zz": "s1.safetensors"}}', "tensor 'zz' listed "
+         "in model.safetensors.index.json is not in this shard"),
+    ],
+)  # fmt: skip
+def test_a_damaged_index_is_refused_naming_it(capsys, tmp_path, good, index_text, fragment):
+    """An index cut short, of the wrong shape, naming a shard that is not there or a tensor
+    its shard does not hold: one line naming the file at fault, nothing written."""
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    save_file({"a": torch.ones(4)}, folder / "s1.safetensors")
+    (folder / "model.safetensors.index.json").write_text(index_text)
+    before = snapshot(tmp_path)
+    code, err, _ = run_cli(capsys, "merge", folder, "--base", good, "-m", "ta",
+                           "-o", tmp_path / "merged")  # fmt: skip
+    assert_refused(code, err, str(folder), fragment)
+    assert snapshot(tmp_path) == before
+
+
 def test_an_index_that_omits_a_tensor_its_shard_holds_loses_nothing(capsys, tmp_path):
     """Transformers loads every tensor of a shard, so a map that forgets one still means it:
     the merge keeps it (ta of 2 models: base + both deltas) instead of dropping it."""
