@@ -171,12 +171,29 @@ def kill_group(process: subprocess.Popen) -> None:
     process.wait()
 
 
-def run_cli(args: list[str], fault: str | None = None) -> Finished:
-    process = launch([sys.executable, LAUNCHER, "train", *args], fault)
+def run_to_end(command: list[str], fault: str | None = None) -> tuple[Finished, list[int]]:
+    """Run ``command`` (:func:`launch`) until it exits; then the PIDs of its process group still
+    alive, before the group is killed."""
+    process = launch(command, fault)
     try:
-        return finish(process)
+        finished = finish(process)
+        return finished, alive_in_group(finished.group_id)
     finally:
         kill_group(process)
+
+
+def run_cli(args: list[str], fault: str | None = None) -> Finished:
+    return run_to_end([sys.executable, LAUNCHER, "train", *args], fault)[0]
+
+
+def torchrun_train() -> list[str]:
+    """``torchrun --nproc_per_node 2`` of ``mloco train --timeout=TORCHRUN_TIMEOUT_S`` (with the
+    fault hook) on a free local port; the train flags follow."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+        LAUNCHER, "train", f"--timeout={TORCHRUN_TIMEOUT_S}",
+    ]  # fmt: skip
 
 
 # -- a dead or hung peer -------------------------------------------------------------------------
@@ -186,18 +203,8 @@ def test_killed_torchrun_worker_fails_the_run_fast_and_resume_matches(corpus, tm
     torchrun reports the dead worker and fails; every process is gone within --timeout of the
     last checkpoint; ``--resume`` under torchrun ends where the uninterrupted run ends."""
     out = tmp_path / "run"
-    torchrun = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-        "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-        LAUNCHER, "train", f"--timeout={TORCHRUN_TIMEOUT_S}",
-    ]  # fmt: skip
     flags = [*cli_flags(corpus, out), "--checkpoint-every=1", "--keep-checkpoints=2"]
-    process = launch([*torchrun, *flags], "1:3:2:KILL")
-    try:
-        killed = finish(process)
-        leftovers = alive_in_group(killed.group_id)
-    finally:
-        kill_group(process)
+    killed, leftovers = run_to_end([*torchrun_train(), *flags], "1:3:2:KILL")
     assert leftovers == [], f"processes left running: {leftovers}"
     assert killed.returncode != 0
     root_cause = killed.stderr.split("Root Cause", 1)[-1]
@@ -218,11 +225,7 @@ def test_killed_torchrun_worker_fails_the_run_fast_and_resume_matches(corpus, tm
     else:
         assert re.search(r"rank\s+: 0 .*\n\s+exitcode\s+: -15 ", killed.stderr), killed.stderr
 
-    process = launch([*torchrun, f"--out={out}", "--resume", "--quiet"])
-    try:
-        resumed = finish(process)
-    finally:
-        kill_group(process)
+    resumed, _ = run_to_end([*torchrun_train(), f"--out={out}", "--resume", "--quiet"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     expected = final_params(reference.out)
     for name, tensor in final_params(out).items():  # torchrun = simulated up to float rounding
@@ -236,17 +239,8 @@ def test_out_of_memory_in_one_torchrun_worker_says_to_restart_every_process(corp
     process restarts with --resume (a torchrun launch is restarted whole, not one rank); no
     worker prints a traceback; every process of the launch ends."""
     out = tmp_path / "run"
-    torchrun = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-        "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-        LAUNCHER, "train", f"--timeout={TORCHRUN_TIMEOUT_S}",
-    ]  # fmt: skip
-    process = launch([*torchrun, *cli_flags(corpus, out), "--checkpoint-every=1"], "1:3:1:OOM")
-    try:
-        failed = finish(process)
-        leftovers = alive_in_group(failed.group_id)
-    finally:
-        kill_group(process)
+    flags = [*cli_flags(corpus, out), "--checkpoint-every=1"]
+    failed, leftovers = run_to_end([*torchrun_train(), *flags], "1:3:1:OOM")
     assert leftovers == [], f"processes left running: {leftovers}"
     assert failed.returncode != 0
     assert (
