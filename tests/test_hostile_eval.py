@@ -207,6 +207,20 @@ def test_a_training_checkpoint_folder_points_to_its_parameters(capsys, tmp_path,
     assert "convert it to safetensors" not in err
 
 
+def test_a_lora_adapter_folder_says_to_merge_it_into_its_base_first(capsys, tmp_path, corpus):
+    """``eval ADAPTER`` (before: "no model.safetensors or model.safetensors.index.json in this
+    folder", no word of what the folder is, though merge reads it)."""
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    save_file({"base_model.model.w.lora_A.weight": torch.zeros(2, 3),
+               "base_model.model.w.lora_B.weight": torch.zeros(4, 2)},
+              adapter / "adapter_model.safetensors")  # fmt: skip
+    (adapter / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 2}')
+    code, err, _ = run_cli(capsys, "eval", adapter, f"--data={corpus}", *EVAL)
+    advice = f"merge it into that base first: mloco merge {adapter} --base BASE -o OUT"
+    assert_refused(code, err, f"{adapter}: no model.safetensors", "a PEFT LoRA adapter", advice)
+
+
 def test_eval_of_no_dataset_is_one_error_before_any_warning(capsys, tmp_path, tokenizer):
     """``--data ""`` (before: two garbled warnings about "the held-out tokens of  ", then the
     error) and a tokenizer folder with no tokenizer file (before: transformers' advice to

@@ -186,7 +186,8 @@ def merge(
             "--output",
             "-o",
             help="Output: a .safetensors file, or a folder (sharded, with index). Default: "
-            "merged-METHOD.safetensors for .safetensors inputs, else the folder merged-METHOD.",
+            "merged-METHOD.safetensors when the base (without --base: the first model) is a "
+            ".safetensors file, else the folder merged-METHOD.",
             parser=path_parser,
         ),
     ] = None,

@@ -389,6 +389,12 @@ def open_checkpoint(path: str | Path) -> CheckpointReader:
         final = path / "final"  # a training run's folder: run_layout.FINAL holds its model
         if any((final / name).is_file() for name in (INDEX_FILE, SINGLE_FILE)):
             hint = f" (a training run: its model is {shown(final)})"
+        if (path / "adapter_config.json").is_file():  # a PEFT adapter (io.lora)
+            hint = (
+                " (a PEFT LoRA adapter, not a whole model: mloco merge takes it as a model to "
+                "merge, beside --base the model it adapts; to use it alone, merge it into that "
+                f"base first: mloco merge {shown(path)} --base BASE -o OUT)"
+            )
         if (path / "global.safetensors").is_file():  # a training checkpoint (train.checkpoint)
             run_final = path.parent.parent / "final"
             hint = (
