@@ -3,9 +3,12 @@ a run folder or a results folder are in tests/test_faults.py and tests/test_comp
 
 from __future__ import annotations
 
+import errno
 import os
+from types import SimpleNamespace
 
 import pytest
+from hostile import assert_refused, run_cli
 
 from mergekit_loco.io import lock
 from mergekit_loco.io.atomic import LOCK_FILE, OutputRefused
@@ -35,6 +38,31 @@ def test_a_lock_file_that_is_a_symlink_is_refused_and_its_target_kept(tmp_path):
     with pytest.raises(OutputRefused, match=f"run/{LOCK_FILE}: the lock file is a symlink"):
         FolderLock(tmp_path / "run", "training into it", "--resume").acquire()
     assert (tmp_path / "notes.txt").read_text() == "mine\n"
+
+
+def test_a_filesystem_without_locks_refuses_the_run_in_one_line(tmp_path, monkeypatch, capsys):
+    """flock failing with ENOLCK (some network filesystems; before: the bare system error):
+    ``mloco train --out`` there exits 2 naming the lock file, the system's reason and what to
+    do; nothing is trained."""
+    fcntl = pytest.importorskip("fcntl")
+
+    def flock(descriptor: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(lock, "fcntl", SimpleNamespace(flock=flock, LOCK_EX=fcntl.LOCK_EX,
+                                                       LOCK_NB=fcntl.LOCK_NB))  # fmt: skip
+    data = tmp_path / "data"
+    data.mkdir()
+    for index in range(20):
+        (data / f"doc{index}.txt").write_text(f"the river {index} ran past stone walls " * 40)
+    out = tmp_path / "run"
+    code, err, _ = run_cli(capsys, "train", "--model", "micro", "--data", data, "--tokens", "512",
+                           "--global-batch", "4", "--seq-len", "32", "--vocab-size", "300",
+                           "--val-tokens", "256", "--inner-steps", "2", "--workers", "2",
+                           "--out", out, "--quiet")  # fmt: skip
+    assert_refused(code, err, f"{out / LOCK_FILE}: this filesystem refuses a file lock (No "
+                   "locks available)", "choose a folder on a local disk")  # fmt: skip
+    assert not (out / "checkpoints").exists() and not (out / "final").exists()
 
 
 def test_without_fcntl_a_folder_is_not_locked(tmp_path, monkeypatch):

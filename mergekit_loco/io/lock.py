@@ -65,7 +65,11 @@ class FolderLock:
             except BlockingIOError:
                 raise FolderInUse(self.refusal(holder_pid(descriptor))) from None
             except OSError as error:  # ENOLCK, EOPNOTSUPP: a filesystem without flock
-                raise OSError(error.errno, error.strerror, str(path)) from None
+                raise OutputRefused(
+                    f"{shown(path)}: this filesystem refuses a file lock ({error.strerror}), "
+                    "which keeps two processes from writing one folder at once; choose a folder "
+                    "on a local disk"
+                ) from None
             os.ftruncate(descriptor, 0)
             os.pwrite(descriptor, f"{os.getpid()}\n".encode(), 0)
         except BaseException:
