@@ -171,10 +171,12 @@ def kill_group(process: subprocess.Popen) -> None:
     process.wait()
 
 
-def run_to_end(command: list[str], fault: str | None = None) -> tuple[Finished, list[int]]:
+def run_to_end(
+    command: list[str], fault: str | None = None, **env: str
+) -> tuple[Finished, list[int]]:
     """Run ``command`` (:func:`launch`) until it exits; then the PIDs of its process group still
     alive, before the group is killed."""
-    process = launch(command, fault)
+    process = launch(command, fault, **env)
     try:
         finished = finish(process)
         return finished, alive_in_group(finished.group_id)
@@ -280,6 +282,24 @@ def test_hung_peer_ends_the_other_within_the_timeout_in_one_line(corpus, tmp_pat
         "Restart every process with --resume to continue from it.\n"
     )
     assert latest_checkpoint(out).name == "round-000001"
+
+
+def test_a_peer_that_never_starts_ends_the_other_in_one_line(corpus, tmp_path):
+    """One process started as rank 0 of two, rank 1 never launched: joining the process group
+    times out after --timeout (the rendezvous's own wait), exit 1 with one line saying so;
+    nothing trained."""
+    out = tmp_path / "run"
+    command = [sys.executable, LAUNCHER, "train", *cli_flags(corpus, out),
+               f"--timeout={HANG_TIMEOUT_S}"]  # fmt: skip
+    nodes = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
+    alone, _ = run_to_end(command, **nodes, RANK="0", LOCAL_RANK="0")
+    assert alone.returncode == 1, alone.stderr[-3000:]
+    assert ONE_LINE_ERROR.fullmatch(alone.stderr), alone.stderr
+    waited = re.search(r"^error: rank 0 of 2: joining the process group failed after ([\d.]+) s; "
+                       r"a peer rank likely died or hung, or is unreachable \(collective timeout: "
+                       rf"{HANG_TIMEOUT_S} s\)\. Cause: ", alone.stderr)  # fmt: skip
+    assert waited and HANG_TIMEOUT_S - 0.5 < float(waited[1]) < HANG_TIMEOUT_S + 3, alone.stderr
+    assert latest_checkpoint(out) is None
 
 
 @pytest.mark.parametrize("differs", ["option", "data"])
