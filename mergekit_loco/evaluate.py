@@ -13,11 +13,14 @@ import functools
 import hashlib
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from transformers import PreTrainedModel
 
@@ -173,9 +176,28 @@ def loss_on(
     seq_len: int,
     batch_size: int = 16,
     device: str | torch.device = "cpu",
+    on_batch: Callable[[int], None] | None = None,
 ) -> float:
-    """Token-weighted mean NLL of ``model`` on the 1-D token ids ``tokens``."""
-    return evaluate_loss(model, tokens, seq_len, batch_size, None, device)
+    """Token-weighted mean NLL of ``model`` on the 1-D token ids ``tokens``; ``on_batch(windows)``
+    after each batch."""
+    return evaluate_loss(model, tokens, seq_len, batch_size, None, device, on_batch)
+
+
+def eval_progress(enabled: bool) -> Progress:
+    """A bar per evaluation (model, dataset, validation set) over its windows, on stderr, drawn
+    only on a terminal and cleared when done; what it evaluates comes last, cut to the width."""
+    console = Console(stderr=True)
+    return Progress(
+        TextColumn("[bold]evaluating"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("windows"),
+        TimeElapsedColumn(),
+        TextColumn("{task.description}"),
+        console=console,
+        transient=True,
+        disable=not (enabled and console.is_terminal),
+    )
 
 
 def check_request(
@@ -200,37 +222,46 @@ def evaluate_models(
     batch_size: int = 16,
     device: str | torch.device = "cpu",
     val_sets: int = 1,
+    progress: bool = False,
 ) -> list[Evaluation]:
     """The held-out loss of every model on every dataset (model-major order). With
     ``val_sets = K`` each dataset's first ``K * tokens`` held-out tokens are cut into K disjoint
     validation sets of ``tokens`` each, evaluated one by one: their spread
-    (:func:`val_set_spreads`) is the noise of a ``tokens``-token evaluation."""
+    (:func:`val_set_spreads`) is the noise of a ``tokens``-token evaluation. ``progress``: a
+    bar per evaluation on a terminal (:func:`eval_progress`)."""
     check_request(models, datasets, seq_len, val_sets)
     device = resolve_device(device)
     results = []
-    for path in models:
-        config_folder, folder = model_folders(path, tokenizer)
-        model = load_model(path, device, config_folder)
-        check_seq_len(model.config, seq_len, path)
-        for data in datasets:
-            try:
-                held_out = held_out_tokens(data, folder, tokens * val_sets, seed)
-            except NotEnoughData as error:
-                raise ValueError(f"{error}; lower --tokens (or --val-sets)") from None
-            _check_vocab(held_out, folder, model, path)
-            for val_set, ids in enumerate(held_out.split(tokens)):
-                if ids.numel() < seq_len:
-                    raise ValueError(f"{data}: {ids.numel()} held-out tokens, fewer than --seq-len")
-                loss = loss_on(model, ids, seq_len, batch_size, device)
-                if not math.isfinite(loss):
-                    raise ValueError(
-                        f"{shown(path)}: loss {loss} on {data}: the model's logits are not finite "
-                        "(NaN or infinite weights, or a config.json that makes them)"
-                    )
-                predicted = predicted_tokens(ids.numel(), seq_len)
-                results.append(Evaluation(str(path), data, predicted, loss, val_set))
-        del model
-    return results
+    with eval_progress(progress) as bars:
+        for path in models:
+            config_folder, folder = model_folders(path, tokenizer)
+            model = load_model(path, device, config_folder)
+            check_seq_len(model.config, seq_len, path)
+            for data in datasets:
+                try:
+                    held_out = held_out_tokens(data, folder, tokens * val_sets, seed)
+                except NotEnoughData as error:
+                    raise ValueError(f"{error}; lower --tokens (or --val-sets)") from None
+                _check_vocab(held_out, folder, model, path)
+                for val_set, ids in enumerate(held_out.split(tokens)):
+                    if ids.numel() < seq_len:
+                        raise ValueError(
+                            f"{data}: {ids.numel()} held-out tokens, fewer than --seq-len"
+                        )
+                    what = f"{path} on {data}" + (f" (set {val_set + 1})" if val_sets > 1 else "")
+                    bar = bars.add_task(escape(what), total=ids.numel() // seq_len)
+                    loss = loss_on(model, ids, seq_len, batch_size, device,
+                                   functools.partial(bars.advance, bar))  # fmt: skip
+                    bars.remove_task(bar)
+                    if not math.isfinite(loss):
+                        raise ValueError(
+                            f"{shown(path)}: loss {loss} on {data}: the model's logits are not "
+                            "finite (NaN or infinite weights, or a config.json that makes them)"
+                        )
+                    predicted = predicted_tokens(ids.numel(), seq_len)
+                    results.append(Evaluation(str(path), data, predicted, loss, val_set))
+            del model
+        return results
 
 
 def run_config_of(model: str | Path) -> tuple[Path, dict] | None:

@@ -107,6 +107,26 @@ def test_eval_command_json_and_errors(model_folder, corpus, tmp_path, capsys):
     assert len(error.strip().splitlines()) == 1
 
 
+def test_eval_shows_a_progress_bar_on_a_terminal_only(model_folder, corpus, capsys, monkeypatch):
+    """On a terminal (TTY_COMPATIBLE, as rich reads it) stderr shows a bar naming the model and
+    the dataset and counting windows; -q, or stderr not a terminal, shows none. The loss is the
+    same either way."""
+    args = ["eval", str(model_folder), "--data", corpus, "--tokens", str(TOKENS),
+            "--seq-len", str(SEQ_LEN), "--json"]  # fmt: skip
+    monkeypatch.setenv("COLUMNS", "400")  # the whole line: what is evaluated comes last
+    losses = []
+    for terminal, quiet in ((True, False), (True, True), (False, False)):
+        monkeypatch.setenv("TTY_COMPATIBLE", "1" if terminal else "0")
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(args + ["-q"] * quiet)
+        assert exit_info.value.code == 0
+        captured = capsys.readouterr()
+        losses.append(json.loads(captured.out)[0]["loss"])
+        drawn = f"{model_folder} on {corpus}" in captured.err and "windows" in captured.err
+        assert drawn == (terminal and not quiet), (terminal, quiet, captured.err)
+    assert len(set(losses)) == 1
+
+
 def test_val_sets_are_disjoint_slices_and_their_spread(model_folder, corpus, capsys, monkeypatch):
     """K validation sets: consecutive slices of K * tokens held-out tokens; spread by hand."""
     sets, tokens = 3, 200

@@ -378,6 +378,7 @@ def eval_command(
         ),
     ] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
     debug: Debug = False,
 ) -> None:
     """Token-weighted validation loss and perplexity of each model on each dataset."""
@@ -396,6 +397,7 @@ def eval_command(
         seed=seed,
         device=device,
         val_sets=val_sets,
+        progress=not quiet,
     )
     if as_json:
         print(json.dumps([result.record() for result in results], indent=2, allow_nan=False))

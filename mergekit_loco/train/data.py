@@ -372,10 +372,12 @@ def evaluate_loss(
     batch_size: int = 16,
     max_tokens: int | None = None,
     device: str | torch.device = "cpu",
+    on_batch: Callable[[int], None] | None = None,
 ) -> float:
     """Token-weighted mean NLL: sum over windows of -log p(x_t+1 | x_<=t) / predicted tokens.
 
     Eval mode and no grad; bf16 autocast on CUDA only. The model's train/eval mode is restored.
+    ``on_batch(windows)`` is called after each batch is scored (a progress bar).
     """
     if seq_len < 2:
         raise ValueError(f"evaluating needs seq_len >= 2 (one predicted token), got {seq_len}")
@@ -402,6 +404,8 @@ def evaluate_loss(
                 )
                 total_nll += nll.item()
                 predicted += targets.numel()
+                if on_batch is not None:
+                    on_batch(batch.shape[0])
     finally:
         model.train(was_training)
     return total_nll / predicted
