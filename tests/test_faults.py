@@ -235,6 +235,34 @@ def test_killed_torchrun_worker_fails_the_run_fast_and_resume_matches(corpus, tm
     assert rounds_logged(out) == [1, 2, 3, 4]
 
 
+def test_a_checkpoint_file_only_one_rank_reads_stops_every_rank(corpus, tmp_path):
+    """A torchrun run stopped after round 2, then rank 1's own worker file (worker-0003.pt,
+    which rank 0 never reads) damaged: on --resume rank 1 refuses it in one line naming the
+    file, rank 0's next collective fails at once (its peer is gone) in one line too, unless
+    torchrun stops it first, and every process of the launch ends; nothing is trained."""
+    out = tmp_path / "run"
+    stopped, _ = run_to_end([*torchrun_train(), *cli_flags(corpus, out), "--checkpoint-every=1",
+                             "--stop-after=2"])  # fmt: skip
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    damaged = out / "checkpoints" / "round-000002" / "worker-0003.pt"
+    damaged.write_bytes(damaged.read_bytes() + b"garbage")
+    resumed, leftovers = run_to_end([*torchrun_train(), f"--out={out}", "--resume", "--quiet"])
+    assert leftovers == [], f"processes left running: {leftovers}"
+    assert resumed.returncode != 0
+    assert (
+        f"error: checkpoint file {damaged} is corrupt (sha256 differs from manifest.json); this "
+        "is the only checkpoint: start over with --force instead of --resume\n"
+    ) in resumed.stderr
+    # rank 0 said why in one line, or torchrun stopped it first (SIGTERM)
+    said = r"(?m)^error: rank 0 of 2: [\w-]+ failed after [\d.]+ s; a peer rank likely died"
+    stopped_first = r"rank\s+: 0 .*\n\s+exitcode\s+: -15 "
+    assert re.search(said, resumed.stderr) or re.search(stopped_first, resumed.stderr), (
+        resumed.stderr
+    )
+    assert resumed.stderr.count("Traceback") == 1  # torchrun's own ChildFailedError, no worker's
+    assert rounds_logged(out) == [1, 2]
+
+
 def test_out_of_memory_in_one_torchrun_worker_says_to_restart_every_process(corpus, tmp_path):
     """torch.OutOfMemoryError in rank 1's round 3 under torchrun (checkpoints after rounds 1,
     2): rank 1 exits with one line naming the error, the last good checkpoint and that every
