@@ -36,6 +36,7 @@ from safetensors.torch import load_file
 
 from mergekit_loco.cli import main
 from mergekit_loco.dist import CollectiveFailed
+from mergekit_loco.io.atomic import LOCK_FILE
 from mergekit_loco.train import loop, run
 from mergekit_loco.train import rounds as turns
 from mergekit_loco.train.checkpoint import CheckpointCorrupt, latest_checkpoint
@@ -486,6 +487,41 @@ def test_a_second_process_is_refused_a_run_folder_in_use(corpus, tmp_path, refer
     assert rounds_logged(out) == [1, 2, 3, 4]
     final = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert final["checksum"] == reference.checksum
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_second_torchrun_launch_into_a_folder_in_use_is_refused_on_every_rank(corpus, tmp_path):
+    """A torchrun launch whose rank 0 stopped itself (SIGSTOP) before round 2, CKPT(1) written;
+    a second torchrun launch with --resume into the same folder: each of its ranks exits 2 with
+    the same one line naming OUT and the PID of the first launch's rank 0 (the lock holder);
+    nothing in OUT changes."""
+    out = tmp_path / "run"
+    command = [*torchrun_train(), *cli_flags(corpus, out), "--checkpoint-every=1"]
+    command[command.index(f"--timeout={TORCHRUN_TIMEOUT_S}")] = "--timeout=120"  # rank 1 waits
+    first = launch(command, fault="0:2:1:STOP")
+    try:
+        deadline = time.monotonic() + PROCESS_GUARD_S
+        holder = None
+        while time.monotonic() < deadline:
+            assert first.poll() is None, first.communicate()[1][-3000:]
+            text = (out / LOCK_FILE).read_text().strip() if (out / LOCK_FILE).exists() else ""
+            if text.isdigit() and process_state(int(text)) == "T":
+                holder = int(text)
+                break
+            time.sleep(0.1)
+        assert holder is not None, "the first launch's rank 0 never stopped"
+        before = snapshot(out)
+        second, leftovers = run_to_end([*torchrun_train(), f"--out={out}", "--resume", "--quiet"])
+        assert leftovers == []
+        assert second.returncode != 0
+        refusal = (
+            f"error: {out} is in use by another mloco process (PID {holder}) training into it; "
+            "wait for it to finish or stop it, then run the same command again\n"
+        )
+        assert second.stderr.count(refusal) == 2, second.stderr[-3000:]
+        assert snapshot(out) == before
+    finally:
+        kill_group(first)
 
 
 # -- checkpoints ---------------------------------------------------------------------------------
