@@ -418,6 +418,25 @@ def test_signal_between_rounds_first_checkpoints_the_completed_round(
     assert train(config.replace(resume=True), progress=False).checksum == (reference.checksum)
 
 
+def test_ctrl_c_to_mloco_train_exits_130_naming_the_checkpoint_and_resumes_exactly(
+    corpus, tmp_path, reference
+):
+    """SIGINT to the ``mloco train`` process during round 2 (CKPT(1) written): it stops at the
+    next inner step, exit 130, one line naming the checkpoint --resume continues from; that
+    resume ends where the uninterrupted run ends."""
+    flags = [*cli_flags(corpus, tmp_path), "--checkpoint-every=1"]
+    stopped = run_cli(flags, "0:2:1:INT")
+    assert stopped.returncode == 130, stopped.stderr[-3000:]
+    assert stopped.stderr == (
+        "error: interrupted during a round; --resume continues from "
+        f"{tmp_path / 'checkpoints' / 'round-000001'} (after round 1)\n"
+    )
+    resumed = run_cli([f"--out={tmp_path}", "--resume", "--quiet"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert final_checksum(tmp_path) == reference.checksum
+    assert rounds_logged(tmp_path) == [1, 2, 3, 4]
+
+
 def test_signal_before_any_checkpoint_says_resume_is_impossible(corpus, tmp_path, monkeypatch):
     install("0:1:2:INT", monkeypatch)
     config = tiny_config(corpus, tmp_path)
