@@ -2,7 +2,8 @@
 the trainer: ``MLOCO_FAULT_AT=RANK:ROUND:TURN:SIGNAL`` makes the process of rank RANK send
 itself SIGSIGNAL (KILL: dies, STOP: hangs, TERM, INT) before its TURN-th worker turn of round
 ROUND, or before the outer step for TURN = its workers + 1 (all counted from 1, fresh runs);
-SIGNAL ``OOM`` raises ``torch.OutOfMemoryError`` there instead.
+SIGNAL ``OOM`` raises ``torch.OutOfMemoryError`` there instead, ``INT2`` sends SIGINT twice (a
+second Ctrl-C before the first has stopped the run).
 
 ``python tests/fault_launcher.py train ...`` (also under torchrun) is ``mloco train ...`` with
 the fault of ``MLOCO_FAULT_AT`` installed.
@@ -31,7 +32,8 @@ def install(fault: str, monkeypatch=None) -> None:
     def send() -> None:
         if name == "OOM":
             raise torch.OutOfMemoryError(f"out of memory (injected at rank {rank})")
-        os.kill(os.getpid(), signal.Signals[f"SIG{name}"])
+        for _ in range(2 if name == "INT2" else 1):
+            os.kill(os.getpid(), signal.Signals[f"SIG{name.removesuffix('2')}"])
 
     real_turn, real_outer_step, seen = rounds.worker_turn, DiLoCo.outer_step, {"round": 0}
 

@@ -418,17 +418,19 @@ def test_signal_between_rounds_first_checkpoints_the_completed_round(
     assert train(config.replace(resume=True), progress=False).checksum == (reference.checksum)
 
 
+@pytest.mark.parametrize(("fault", "when"), [("INT", "during a round"), ("INT2", "at once")])
 def test_ctrl_c_to_mloco_train_exits_130_naming_the_checkpoint_and_resumes_exactly(
-    corpus, tmp_path, reference
+    corpus, tmp_path, reference, fault, when
 ):
     """SIGINT to the ``mloco train`` process during round 2 (CKPT(1) written): it stops at the
-    next inner step, exit 130, one line naming the checkpoint --resume continues from; that
-    resume ends where the uninterrupted run ends."""
+    next inner step; a second SIGINT before then stops it at once. Either way exit 130, one
+    line naming the checkpoint --resume continues from; that resume ends where the
+    uninterrupted run ends."""
     flags = [*cli_flags(corpus, tmp_path), "--checkpoint-every=1"]
-    stopped = run_cli(flags, "0:2:1:INT")
+    stopped = run_cli(flags, f"0:2:1:{fault}")
     assert stopped.returncode == 130, stopped.stderr[-3000:]
     assert stopped.stderr == (
-        "error: interrupted during a round; --resume continues from "
+        f"error: interrupted {when}; --resume continues from "
         f"{tmp_path / 'checkpoints' / 'round-000001'} (after round 1)\n"
     )
     resumed = run_cli([f"--out={tmp_path}", "--resume", "--quiet"])
