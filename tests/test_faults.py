@@ -292,6 +292,41 @@ def test_out_of_memory_in_one_torchrun_worker_says_to_restart_every_process(corp
 
 
 @pytest.mark.slow
+def test_sigterm_to_torchrun_ends_every_process_and_the_resume_matches(corpus, tmp_path):
+    """SIGTERM to the torchrun agent mid-run (a scheduler's stop; the workers take the signal
+    torchrun forwards, as a killed process does): every process ends within seconds, the last
+    checkpoint stays good, and --resume under torchrun ends bit for bit where the same launch
+    left alone ends, each round logged once."""
+    out, rounds = tmp_path / "run", 60  # of the 65 the corpus holds
+    tokens = rounds * TINY["global_batch"] * TINY["seq_len"] * TINY["inner_steps"]
+    flags = [*cli_flags(corpus, out), f"--tokens={tokens}", "--checkpoint-every=1"]
+    process = launch([*torchrun_train(), *flags])
+    try:
+        deadline = time.monotonic() + PROCESS_GUARD_S
+        while not (out / "checkpoints" / "latest").exists() and time.monotonic() < deadline:
+            assert process.poll() is None, process.communicate()[1][-3000:]
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        sent = time.time()
+        stopped = finish(process)
+        leftovers = alive_in_group(stopped.group_id)
+    finally:
+        kill_group(process)
+    assert leftovers == [], f"processes left running: {leftovers}"
+    assert stopped.returncode != 0 and stopped.ended - sent < 10
+    assert len(rounds_logged(out)) < rounds, "the run finished before the signal: lengthen it"
+    resumed, _ = run_to_end([*torchrun_train(), f"--out={out}", "--resume", "--quiet"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert rounds_logged(out) == list(range(1, rounds + 1))
+    straight = tmp_path / "straight"  # the same launch, never stopped
+    whole, _ = run_to_end([*torchrun_train(), *cli_flags(corpus, straight), f"--tokens={tokens}"])
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    expected = final_params(straight)
+    for name, tensor in final_params(out).items():
+        assert torch.equal(tensor, expected[name]), name
+
+
+@pytest.mark.slow
 def test_hung_peer_ends_the_other_within_the_timeout_in_one_line(corpus, tmp_path):
     """Two processes started as two nodes would be (RANK / WORLD_SIZE, no torchrun agent to
     clean up): rank 1 freezes (SIGSTOP) before the outer step of round 2. Rank 0 waits exactly
