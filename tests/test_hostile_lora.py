@@ -81,7 +81,8 @@ def test_pattern_keys_of_many_repeats_are_refused_before_any_match(tmp_path, cap
     started = time.monotonic()
     assert_refused_by_both(
         capsys, tmp_path, [folder], base, config, f"rank_pattern key {json.dumps(key)} holds",
-        f"repeats (*, +, ? or {{m,n}}), more than the {lora.MAX_KEY_REPEATS} read", "refused",
+        f"repeats (*, +, ? or {{m,n}}) in a row, more than the {lora.MAX_KEY_REPEATS} allowed",
+        "refused",
     )  # fmt: skip
     assert time.monotonic() - started < 5
 
@@ -95,6 +96,7 @@ def test_pattern_keys_real_adapters_use_still_apply(tmp_path, capsys):
         r"model\.layers\.\d+\.mlp": 32,
         r"layers\.(0|1|2)\.self_attn": 64,
         r".*\.layers\.\d+\..*_proj": 8,  # three repeats: the most a key may hold
+        ".*gate_proj|.*down_proj|.*o_proj": 2,  # one repeat on any path through it
     }
     alphas = {  # by hand: the first key that applies (rank 2), else r 3 and lora_alpha 4
         "lm.head": 1,
@@ -103,6 +105,7 @@ def test_pattern_keys_real_adapters_use_still_apply(tmp_path, capsys):
         "model.layers.1.self_attn": 64,
         "model.layers.7.self_attn": 4,
         "model.layers.3.mlp.up_proj": 8,
+        "decoder.gate_proj": 2,
     }
     ranks = {module: 3 if alpha == 4 else 2 for module, alpha in alphas.items()}
     base = zero_base(tmp_path / "base.safetensors", alphas)

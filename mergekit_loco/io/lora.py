@@ -89,22 +89,27 @@ def _choice_in_repeat(items: regex_parser.SubPattern, in_repeat: bool = False) -
 
 
 def _varying_repeats(items: regex_parser.SubPattern) -> int:
-    """How many repeats of varying count (``*``, ``+``, ``?``, ``{m,n}`` with m < n) parsed
-    pattern ``items`` holds, nested ones included."""
+    """The most repeats of varying count (``*``, ``+``, ``?``, ``{m,n}`` with m < n), nested
+    ones included, on one path through parsed pattern ``items``: an alternation (``|``) counts
+    its largest alternative, since a match tries them one after another."""
     count = 0
     for operator, argument in items:
         if operator in _REPEATS:
             low, high, body = argument
             count += (low != high) + _varying_repeats(body)
+        elif operator == regex_parser.BRANCH:
+            count += max(_varying_repeats(branch) for branch in argument[1])
         else:
             count += sum(_varying_repeats(part) for part in _subpatterns(argument))
     return count
 
 
-#: The most repeats of varying count one key may hold. A match that fails tries every way to
-#: share the module name among them and PEFT's ``(.*\.)?``: measured on this project's CPU, a key
-#: of ``.*`` eight times took 0.4 s on a 31-character name, ten times 7 s; three times, 0.025 s
-#: on a 150-character name (real models' are shorter), 0.24 s on 300 (four times: 0.6 s on 150).
+#: The most repeats of varying count one key may hold on one path through it (the largest
+#: alternative of an alternation counts: ``.*q_proj|.*k_proj`` holds one). A match that fails
+#: tries every way to share the module name among them and PEFT's ``(.*\.)?``: measured on this
+#: project's CPU, a key of ``.*`` eight times took 0.4 s on a 31-character name, ten times 7 s;
+#: three times, 0.025 s on a 150-character name (real models' are shorter), 0.24 s on 300 (four
+#: times: 0.6 s on 150).
 #: Three allow keys such as ``.*\.layers\.\d+\..*proj``.
 MAX_KEY_REPEATS = 3
 
@@ -116,7 +121,8 @@ _PEFT_REPEATS = 2
 def _peft_regex(key: str) -> re.Pattern[str]:
     r"""``(.*\.)?({key})$`` compiled, once per key; ValueError saying why for one that is no
     regular expression, that nests a choice inside a repeat (:func:`_choice_in_repeat`) or that
-    holds more than :data:`MAX_KEY_REPEATS` repeats of varying count."""
+    holds more than :data:`MAX_KEY_REPEATS` repeats of varying count on one path
+    (:func:`_varying_repeats`)."""
     pattern = rf"(.*\.)?({key})$"
     try:
         parsed = regex_parser.parse(pattern)
@@ -133,9 +139,10 @@ def _peft_regex(key: str) -> re.Pattern[str]:
         )
     if repeats > MAX_KEY_REPEATS:
         raise ValueError(
-            f"holds {repeats} repeats (*, +, ? or {{m,n}}), more than the {MAX_KEY_REPEATS} read: "
-            "a match that fails tries every way to share the module name among them, a time "
-            "that grows steeply with each one (seconds for ten on a short name); refused"
+            f"holds {repeats} repeats (*, +, ? or {{m,n}}) in a row, more than the "
+            f"{MAX_KEY_REPEATS} allowed: a match that fails tries every way to share the module "
+            "name among them, a time that grows steeply with each one (seconds for ten on a "
+            "short name); refused"
         )
     return compiled
 
