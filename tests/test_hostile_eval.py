@@ -14,7 +14,7 @@ import torch
 from checkpoint_factory import save_model, tiny_llama
 from conftest import stdlib_corpus
 from hostile import assert_refused, run_cli
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -209,16 +209,30 @@ def test_a_training_checkpoint_folder_points_to_its_parameters(capsys, tmp_path,
 
 def test_a_lora_adapter_folder_says_to_merge_it_into_its_base_first(capsys, tmp_path, corpus):
     """``eval ADAPTER`` (before: "no model.safetensors or model.safetensors.index.json in this
-    folder", no word of what the folder is, though merge reads it)."""
+    folder", no word of what the folder is, though merge reads it), and the adapter given as
+    ``merge --base``: both say what it is and the command that makes a whole model of it;
+    that command runs, with no "nothing is merged" warning, and gives base + the adapter's
+    delta, computed here by hand."""
     adapter = tmp_path / "adapter"
     adapter.mkdir()
-    save_file({"base_model.model.w.lora_A.weight": torch.zeros(2, 3),
-               "base_model.model.w.lora_B.weight": torch.zeros(4, 2)},
+    lora_a, lora_b = torch.full((2, 3), 0.5), torch.full((4, 2), 0.25)
+    save_file({"base_model.model.w.lora_A.weight": lora_a,
+               "base_model.model.w.lora_B.weight": lora_b},
               adapter / "adapter_model.safetensors")  # fmt: skip
-    (adapter / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 2}')
+    (adapter / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 2, "lora_alpha": 4}')
+    base = tmp_path / "base.safetensors"
+    save_file({"w.weight": torch.ones(4, 3)}, base)
+    advice = f"merge it into that base first: mloco merge {adapter} --base BASE -m ta -o OUT"
     code, err, _ = run_cli(capsys, "eval", adapter, f"--data={corpus}", *EVAL)
-    advice = f"merge it into that base first: mloco merge {adapter} --base BASE -o OUT"
     assert_refused(code, err, f"{adapter}: no model.safetensors", "a PEFT LoRA adapter", advice)
+    code, err, _ = run_cli(capsys, "merge", base, "--base", adapter, "-m", "ta",
+                           "-o", tmp_path / "never.safetensors")  # fmt: skip
+    assert_refused(code, err, f"{adapter}: no model.safetensors", "a PEFT LoRA adapter", advice)
+    out = tmp_path / "whole.safetensors"
+    code, err, _ = run_cli(capsys, "merge", adapter, "--base", base, "-m", "ta", "-o", out, "-q")
+    assert code == 0 and err == "", err
+    expected = torch.ones(4, 3) + 4 / 2 * lora_b @ lora_a  # scaling = lora_alpha / r
+    assert torch.equal(load_file(out)["w.weight"], expected)
 
 
 def test_eval_of_no_dataset_is_one_error_before_any_warning(capsys, tmp_path, tokenizer):

@@ -102,8 +102,11 @@ def missing_base(ctx: typer.Context, method: str) -> str | None:
 
 def warn_if_one_model(models: list, method: str) -> None:
     """After a merge of one model (allowed): say that nothing was merged. Not before it, so
-    that a merge that fails says only why."""
-    if len(models) == 1:
+    that a merge that fails says only why. One LoRA adapter is no such slip: merging it into
+    its base is how a whole model is made of it."""
+    from mergekit_loco.io.lora import is_lora_adapter
+
+    if len(models) == 1 and not is_lora_adapter(models[0]):
         print_warning(
             f"only one model given ({models[0]}): the output is --method {method} applied to it "
             "alone, nothing is merged; give two or more models to merge them"

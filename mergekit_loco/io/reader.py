@@ -393,7 +393,7 @@ def open_checkpoint(path: str | Path) -> CheckpointReader:
             hint = (
                 " (a PEFT LoRA adapter, not a whole model: mloco merge takes it as a model to "
                 "merge, beside --base the model it adapts; to use it alone, merge it into that "
-                f"base first: mloco merge {shown(path)} --base BASE -o OUT)"
+                f"base first: mloco merge {shown(path)} --base BASE -m ta -o OUT)"
             )
         if (path / "global.safetensors").is_file():  # a training checkpoint (train.checkpoint)
             run_final = path.parent.parent / "final"
