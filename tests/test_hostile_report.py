@@ -3,16 +3,22 @@ one line (exit 2), never read forever, and the folder is left as it was."""
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import statistics
+from types import SimpleNamespace
 
 import pytest
 from hostile import assert_refused, run_cli, snapshot
 
 from mergekit_loco.compare import results_lock, runs
 from mergekit_loco.compare.stats import spread
+from mergekit_loco.io import lock
+from mergekit_loco.io.atomic import LOCK_FILE, mark_output
+from mergekit_loco.io.lock import FolderLock
+from mergekit_loco.run_layout import RUN_KIND, SWEEP_KIND
 
 
 @pytest.mark.parametrize(("config", "fragment"), [
@@ -164,6 +170,7 @@ def test_a_report_into_a_folder_in_use_is_refused_and_one_elsewhere_is_not(capsy
     run.mkdir(parents=True)
     (run / "config.json").write_text(CONFIG)
     (run / "metrics.jsonl").write_text(FINAL + "\n")
+    mark_output(results, SWEEP_KIND)  # as mloco compare marks its folder before any cell
     with results_lock(results) as comparing:
         comparing.acquire()
         before = snapshot(tmp_path)
@@ -185,3 +192,36 @@ def test_a_report_into_a_folder_in_use_is_refused_and_one_elsewhere_is_not(capsy
     code, err, _ = run_cli(capsys, "report", results, "--no-figures")  # its lock released
     assert code == 0, err
     assert (results / "results.csv").is_file()
+
+
+def test_a_report_is_refused_for_what_the_folder_is_and_needs_no_lock_support(
+    capsys, tmp_path, monkeypatch
+):
+    """``mloco report RUN`` while the run trains (its lock held) is refused as a training run,
+    not as a folder in use; a results folder copied, lock file and all, onto a filesystem that
+    refuses locks re-renders in place (no comparison can run there)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(CONFIG)
+    mark_output(run, RUN_KIND)
+    with FolderLock(run, "training into it", "run it again") as training:
+        training.acquire()
+        code, err, _ = run_cli(capsys, "report", run)
+    assert_refused(code, err, f"{run} is a training run (it holds config.json)")
+
+    results = tmp_path / "results"
+    (results / "runs" / "a").mkdir(parents=True)
+    (results / "runs" / "a" / "config.json").write_text(CONFIG)
+    (results / "runs" / "a" / "metrics.jsonl").write_text(FINAL + "\n")
+    mark_output(results, SWEEP_KIND)
+    (results / LOCK_FILE).write_text("1234\n")
+
+    def flock(descriptor: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    fcntl = pytest.importorskip("fcntl")
+    monkeypatch.setattr(lock, "fcntl", SimpleNamespace(flock=flock, LOCK_EX=fcntl.LOCK_EX,
+                                                       LOCK_NB=fcntl.LOCK_NB))  # fmt: skip
+    code, err, _ = run_cli(capsys, "report", results, "--no-figures")
+    assert code == 0, err
+    assert "a" in (results / "results.csv").read_text()

@@ -18,8 +18,14 @@ from pathlib import Path
 
 from rich.console import Console
 
-from mergekit_loco.io.atomic import LOCK_FILE
-from mergekit_loco.io.lock import FolderLock
+from mergekit_loco.io.atomic import LOCK_FILE, marked_kind
+from mergekit_loco.io.lock import FolderLock, LocksUnsupported
+from mergekit_loco.run_layout import (
+    MERGE_REPORT_KIND,
+    MERGES_KIND,
+    SWEEP_KIND,
+    SWEEP_REPORT_KIND,
+)
 
 
 def results_lock(out: Path) -> FolderLock:
@@ -66,11 +72,16 @@ def render(
             report_sweep(folders[0], console=console, figures=figures, out=out)
 
 
+#: The folders a report may write into that a comparison may be writing into too.
+REPORTED_KINDS = (SWEEP_KIND, MERGES_KIND, SWEEP_REPORT_KIND, MERGE_REPORT_KIND)
+
+
 def report_lock(out: Path) -> FolderLock | nullcontext:
-    """The lock a report takes on ``out``, held: only where a lock file is already there (a
-    folder of ours that a comparison, a training run or a report wrote), so a folder the report
-    then refuses gains no file."""
-    if not os.path.lexists(out / LOCK_FILE):
+    """The lock a report takes on ``out``, held: only in a comparison's or a report's folder
+    that already holds a lock file, so that a folder the report then refuses (a training run,
+    a user's) gains no file and is refused for what it is; not on a filesystem without locks
+    (a copied results folder), where no comparison can have run."""
+    if marked_kind(out) not in REPORTED_KINDS or not os.path.lexists(out / LOCK_FILE):
         return nullcontext()
     lock = FolderLock(
         out,
@@ -78,5 +89,8 @@ def report_lock(out: Path) -> FolderLock | nullcontext:
         "run mloco report again (a comparison writes its own report when it ends); to see the "
         "report meanwhile, give -o a new folder",
     )
-    lock.acquire()
+    try:
+        lock.acquire()
+    except LocksUnsupported:
+        return nullcontext()
     return lock

@@ -30,6 +30,10 @@ class FolderInUse(OutputRefused):
     """Another live process holds the folder's lock; the message names the folder and its PID."""
 
 
+class LocksUnsupported(OutputRefused):
+    """The filesystem of the folder refuses ``flock`` (some network filesystems)."""
+
+
 class FolderLock:
     """The lock on ``folder``, taken by :meth:`acquire` (once; it creates the folder) and held
     until :meth:`release`, the end of the ``with`` block, or the end of the process. ``doing``
@@ -65,7 +69,7 @@ class FolderLock:
             except BlockingIOError:
                 raise FolderInUse(self.refusal(holder_pid(descriptor))) from None
             except OSError as error:  # ENOLCK, EOPNOTSUPP: a filesystem without flock
-                raise OutputRefused(
+                raise LocksUnsupported(
                     f"{shown(path)}: this filesystem refuses a file lock ({error.strerror}), "
                     "which keeps two processes from writing one folder at once; choose a folder "
                     "on a local disk"
