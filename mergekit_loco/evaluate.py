@@ -248,7 +248,8 @@ def evaluate_models(
                         raise ValueError(
                             f"{data}: {ids.numel()} held-out tokens, fewer than --seq-len"
                         )
-                    what = f"{path} on {data}" + (f" (set {val_set + 1})" if val_sets > 1 else "")
+                    what = f"{shown(path)} on {shown(data)}"
+                    what += f" (set {val_set + 1})" if val_sets > 1 else ""
                     bar = bars.add_task(escape(what), total=ids.numel() // seq_len)
                     loss = loss_on(model, ids, seq_len, batch_size, device,
                                    functools.partial(bars.advance, bar))  # fmt: skip

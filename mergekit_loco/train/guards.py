@@ -39,7 +39,7 @@ class TrainingFailed(RuntimeError):
     ``FAILURE; stopping. <the last checkpoint> ADVICE``. ``__cause__`` is the failure itself."""
 
     def __init__(self, failure: str, last_saved: tuple[int, Path | None], advice: str) -> None:
-        super().__init__(failure, last_saved, advice)  # pickled as these: a compare cell's
+        super().__init__(failure, last_saved, advice)  # args: how it pickles across processes
         self.failure, self.last_saved, self.advice = failure, last_saved, advice
 
     def __str__(self) -> str:
