@@ -263,7 +263,6 @@ def test_a_checkpoint_file_only_one_rank_reads_stops_every_rank(corpus, tmp_path
         f"error: checkpoint file {damaged} is corrupt (sha256 differs from manifest.json); this "
         "is the only checkpoint: start over with --force instead of --resume\n"
     ) in resumed.stderr
-    assert re.search(r"rank\s+: 1 .*\n\s+exitcode\s+: 2 ", resumed.stderr), resumed.stderr
     # rank 0 said why in one line, at once (not after --timeout), or torchrun stopped it first
     said = re.search(r"(?m)^error: rank 0 of 2: [\w-]+ failed after ([\d.]+) s; a peer rank "
                      r"likely died", resumed.stderr)  # fmt: skip
@@ -559,9 +558,10 @@ def test_a_second_process_is_refused_a_run_folder_in_use(corpus, tmp_path, refer
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_a_second_torchrun_launch_into_a_folder_in_use_is_refused_on_every_rank(corpus, tmp_path):
     """A torchrun launch whose rank 0 stopped itself (SIGSTOP) before round 2, CKPT(1) written;
-    a second torchrun launch with --resume into the same folder: each of its ranks exits 2 with
-    the same one line naming OUT and the PID of the first launch's rank 0 (the lock holder);
-    nothing in OUT changes."""
+    a second torchrun launch with --resume into the same folder: each of its ranks that gets
+    that far (torchrun stops the other once one has exited) prints the same one line naming OUT
+    and the PID of the first launch's rank 0 (the lock holder), and no other error; nothing in
+    OUT changes."""
     out = tmp_path / "run"
     command = [*torchrun_train(), *cli_flags(corpus, out), "--checkpoint-every=1"]
     command[command.index(f"--timeout={TORCHRUN_TIMEOUT_S}")] = "--timeout=600"  # rank 1 waits
@@ -585,11 +585,10 @@ def test_a_second_torchrun_launch_into_a_folder_in_use_is_refused_on_every_rank(
             f"error: {out} is in use by another mloco process (PID {holder}) training into it; "
             "wait for it to finish or stop it, then run the same command again\n"
         )
-        assert second.stderr.count(refusal) == 2, second.stderr[-3000:]
-        for rank in (0, 1):  # each refused on its own, exit 2, as torchrun's report says
-            assert re.search(rf"rank\s+: {rank} .*\n\s+exitcode\s+: 2 ", second.stderr), (
-                second.stderr[-3000:]
-            )
+        # each rank is refused on its own, but once one has exited torchrun stops the other,
+        # which may not have printed yet: one or two refusals, and no other error
+        errors = re.findall(r"(?m)^error: .*\n", second.stderr)
+        assert errors and set(errors) == {refusal}, second.stderr[-3000:]
         assert snapshot(out) == before
     finally:
         kill_group(first)
