@@ -1,4 +1,5 @@
-"""The rich console every command prints its tables on.
+"""The rich console every command prints its tables on, and the one way to print a line on
+stderr.
 
 On a terminal rich fits a table to the terminal's width. Elsewhere (a log file, ``tee``, CI)
 it assumes 80 columns and cuts cells (``aggre…``, ``[-0.6…``); there the console is wide enough
@@ -8,6 +9,7 @@ that no table is cut, unless ``COLUMNS`` sets a width.
 from __future__ import annotations
 
 import os
+import sys
 
 from rich.console import Console
 
@@ -22,3 +24,10 @@ def output_console(**options) -> Console:
     if not console.is_terminal and "width" not in options and "COLUMNS" not in os.environ:
         console.width = UNCUT_WIDTH
     return console
+
+
+def print_line(line: str) -> None:
+    """``line`` and its newline on stderr in one write, so that the lines of torchrun ranks
+    sharing one stderr never interleave mid-line (``print`` writes the newline apart)."""
+    sys.stderr.write(f"{line}\n")
+    sys.stderr.flush()

@@ -4,6 +4,7 @@ the commands a newcomer types first (the card's ``merge`` without ``-o`` or ``--
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -408,3 +409,27 @@ def test_methods_with_a_name_shows_that_method_in_full(capsys):
     assert "``" not in out and ":data:" not in out and "mean  (no --base needed)" not in out
     code, _, err = run_main(capsys, "methods", "soup")
     assert code == 2 and err.startswith("error: unknown merge method 'soup'; choose one of mean")
+
+
+INTERLEAVING_WRITER = """
+import sys
+from mergekit_loco.cli.common import print_error, print_warning
+for index in range(400):
+    (print_error if index % 2 else print_warning)(sys.argv[1] * 200)
+"""
+
+
+def test_error_lines_of_processes_sharing_one_stderr_never_interleave():
+    """Four processes (as torchrun's ranks) each write 400 long error and warning lines to one
+    pipe at once: every line read back is whole, one process's letter from start to end."""
+    read_end, write_end = os.pipe()
+    writers = [
+        subprocess.Popen([sys.executable, "-c", INTERLEAVING_WRITER, letter], stderr=write_end)
+        for letter in "abcd"
+    ]
+    os.close(write_end)
+    with open(read_end, encoding="utf-8") as pipe:
+        lines = pipe.read().splitlines()
+    assert [writer.wait() for writer in writers] == [0, 0, 0, 0]
+    whole = {f"{kind}: {letter * 200}" for kind in ("error", "warning") for letter in "abcd"}
+    assert len(lines) == 1600 and set(lines) == whole

@@ -7,13 +7,13 @@ stderr and exit code 2 (``--debug`` shows the traceback instead); Ctrl-C exits 1
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Annotated, TypeVar
 
 import typer
 
+from mergekit_loco.console import print_line
 from mergekit_loco.io.files import shown
 
 USER_ERRORS = (ValueError, KeyError, OSError, OverflowError)
@@ -42,12 +42,12 @@ def one_line(error: BaseException | str) -> str:
 
 
 def print_error(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
+    print_line(f"error: {message}")
 
 
 def print_warning(message: str) -> None:
     """A doubtful but valid request: one ``warning: ...`` line on stderr; the command goes on."""
-    print(f"warning: {message}", file=sys.stderr)
+    print_line(f"warning: {message}")
 
 
 def user_errors(command: Command) -> Command:

@@ -12,11 +12,11 @@ live in run.py, the failure messages in guards.py, the run folder in run_folder.
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from mergekit_loco.console import print_line
 from mergekit_loco.dist import modelled_comm_stats
 from mergekit_loco.io.lock import FolderLock
 from mergekit_loco.run_layout import FINAL, LATEST
@@ -117,8 +117,8 @@ def note_resume(run: Run, show: bool) -> None:
         exists = (path.parent / LATEST).exists()
         pointer = f"names {named}, which does not exist" if named else "is missing"
         pointer = "is empty" if not named and exists else pointer
-        print(f"note: {path.parent / LATEST} {pointer}; resuming from {path.name}, the newest "
-              "checkpoint left", file=sys.stderr)  # fmt: skip
+        print_line(f"note: {path.parent / LATEST} {pointer}; resuming from {path.name}, the "
+                   "newest checkpoint left")  # fmt: skip
     if not show:
         return
     if saved_round >= run.rounds:
@@ -136,9 +136,9 @@ def stopping_at_once(run: Run) -> bool:
     if stop_after is None or run.start_round < stop_after or run.start_round >= run.rounds:
         return False
     if run.group.is_main:
-        print(f"note: --stop-after {stop_after}: the checkpoint is already at round "
-              f"{run.start_round} of {run.rounds}; nothing trained (resume without --stop-after, "
-              "or with a later round, to continue)", file=sys.stderr)  # fmt: skip
+        print_line(f"note: --stop-after {stop_after}: the checkpoint is already at round "
+                   f"{run.start_round} of {run.rounds}; nothing trained (resume without "
+                   "--stop-after, or with a later round, to continue)")  # fmt: skip
     return True
 
 
@@ -147,12 +147,11 @@ def note_other_world_size(run: Run) -> None:
     wrote: it continues correctly, but only to float rounding of an uninterrupted run."""
     saved, now = run.resumed_world_size, run.group.world_size
     if saved is not None and saved != now:
-        print(
+        print_line(
             f"note: the checkpoint was written by {saved} process(es) and this run has {now}: "
             "it continues correctly, but its sums run in another order, so it matches an "
             "uninterrupted run only to float rounding (resume with the same number of "
-            "processes for the same bits)",
-            file=sys.stderr,
+            "processes for the same bits)"
         )
 
 

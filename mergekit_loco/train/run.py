@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from mergekit_loco.console import print_line
 from mergekit_loco.io import open_checkpoint
 from mergekit_loco.io.atomic import write_atomically
 from mergekit_loco.io.lock import FolderLock
@@ -266,10 +266,11 @@ def start_run(
     check_seq_len(model.config, config.data.seq_len, config.model.init or config.model.name)
     tokenizer = as_saved_beside(tokenizer, model.config)  # what final/ will reload to
     if config.model.init is not None and model.config.vocab_size > len(tokenizer) and group.is_main:
-        print(f"note: --init {config.model.init} has {model.config.vocab_size} vocabulary rows "
-              f"and the tokenizer {len(tokenizer)}: the rows above are never used; if the "
-              "checkpoint was trained with another tokenizer, pass --tokenizer it",
-              file=sys.stderr)  # fmt: skip
+        print_line(
+            f"note: --init {config.model.init} has {model.config.vocab_size} vocabulary rows and "
+            f"the tokenizer {len(tokenizer)}: the rows above are never used; if the checkpoint "
+            "was trained with another tokenizer, pass --tokenizer it"
+        )
     config.check_budget(count_parameters(model))
     rounds = config.total_rounds(count_parameters(model))
     bounds = budget_bounds(config, resume_from, count_parameters(model), rounds)
