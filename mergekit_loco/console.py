@@ -1,5 +1,5 @@
-"""The rich console every command prints its tables on, and the one way to print a line on
-stderr.
+"""The rich console every command prints its tables on, the progress bars of one-shot commands,
+and the one way to print a line on stderr.
 
 On a terminal rich fits a table to the terminal's width. Elsewhere (a log file, ``tee``, CI)
 it assumes 80 columns and cuts cells (``aggre…``, ``[-0.6…``); there the console is wide enough
@@ -12,6 +12,7 @@ import os
 import sys
 
 from rich.console import Console
+from rich.progress import Progress, ProgressColumn
 
 #: The width of a console that does not write to a terminal: wider than any table we print.
 UNCUT_WIDTH = 10_000
@@ -31,3 +32,15 @@ def print_line(line: str) -> None:
     sharing one stderr never interleave mid-line (``print`` writes the newline apart)."""
     sys.stderr.write(f"{line}\n")
     sys.stderr.flush()
+
+
+def stderr_progress(enabled: bool, *columns: str | ProgressColumn) -> Progress:
+    """A rich progress bar of ``columns`` on stderr, drawn only when ``enabled`` on a terminal
+    and cleared when done (``merge``'s and ``eval``'s; stdout keeps only their results)."""
+    console = Console(stderr=True)
+    return Progress(
+        *columns,
+        console=console,
+        transient=True,
+        disable=not (enabled and console.is_terminal),
+    )

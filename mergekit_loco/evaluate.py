@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from transformers import PreTrainedModel
 
 from mergekit_loco.compare.stats import Spread, spread
+from mergekit_loco.console import stderr_progress
 from mergekit_loco.device import resolve_device
 from mergekit_loco.io import open_checkpoint
 from mergekit_loco.io.files import MAX_JSON_BYTES, UnsafeInputError, read_json, read_limited, shown
@@ -186,17 +186,14 @@ def loss_on(
 def eval_progress(enabled: bool) -> Progress:
     """A bar per evaluation (model, dataset, validation set) over its windows, on stderr, drawn
     only on a terminal and cleared when done; what it evaluates comes last, cut to the width."""
-    console = Console(stderr=True)
-    return Progress(
+    return stderr_progress(
+        enabled,
         TextColumn("[bold]evaluating"),
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("windows"),
         TimeElapsedColumn(),
         TextColumn("{task.description}"),
-        console=console,
-        transient=True,
-        disable=not (enabled and console.is_terminal),
     )
 
 

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from mergekit_loco.console import stderr_progress
 from mergekit_loco.device import resolve_device
 from mergekit_loco.io import (
     DEFAULT_MAX_SHARD_BYTES,
@@ -302,17 +302,14 @@ def resolve_method(method: str | MergeMethod, params: dict) -> MergeMethod:
 
 def merge_progress(enabled: bool, out: Path) -> Progress:
     """A progress bar over tensors into ``out`` on stderr (only drawn on a terminal)."""
-    console = Console(stderr=True)
     shown_out = escape(str(out)).replace("{", "{{").replace("}", "}}")  # markup, then format
-    return Progress(
+    return stderr_progress(
+        enabled,
         TextColumn(f"[bold]merging into {shown_out}"),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
         TextColumn("{task.fields[tensor]}"),
-        console=console,
-        transient=True,
-        disable=not (enabled and console.is_terminal),
     )
 
 

@@ -412,6 +412,26 @@ def test_full_or_read_only_disk_mid_write_keeps_previous_output(
 # -- successful runs in-process ---------------------------------------------------------------
 
 
+def test_merge_shows_a_progress_bar_on_a_terminal_only(files, tmp_path):
+    """`mloco merge` on a terminal (rich told so by TTY_COMPATIBLE=1) draws on stderr a bar
+    naming OUT and counting tensors; -q, or stderr not a terminal, draws none; stdout and the
+    merged file are the same either way."""
+    base, models = files
+    results = []
+    for index, (terminal, quiet) in enumerate(((True, False), (True, True), (False, False))):
+        out = tmp_path / f"merged-{index}.safetensors"
+        command = [*ENTRY_POINT, "merge", *map(str, models), "--base", str(base), "-m", "ta",
+                   "-o", str(out), *["-q"] * quiet]  # fmt: skip
+        env = {**os.environ, "TTY_COMPATIBLE": str(int(terminal)), "COLUMNS": "400"}
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+        assert done.returncode == 0, done.stderr
+        tensors = len(load_state_dict(base))
+        drawn = f"merging into {out}" in done.stderr and f"{tensors}/{tensors}" in done.stderr
+        assert drawn == (terminal and not quiet), (terminal, quiet, done.stderr)
+        results.append(load_state_dict(out))
+    assert all(torch.equal(results[0][name], other[name]) for other in results for name in other)
+
+
 def test_single_files_in_sharded_folder_out_with_force(files, tmp_path):
     base, models = files
     out = tmp_path / "merged"
