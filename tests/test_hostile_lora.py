@@ -87,6 +87,37 @@ def test_pattern_keys_of_many_repeats_are_refused_before_any_match(tmp_path, cap
     assert time.monotonic() - started < 5
 
 
+def test_pattern_keys_are_not_matched_against_overlong_module_names(tmp_path, capsys):
+    """A module name of 2000 characters under a key of three repeats (allowed) would take
+    minutes per failed match (4.5 s at 600 characters): refused, naming the config, the key
+    and the name's length, by the dense merge and --lora-output alike; a name of 300
+    characters, the most allowed, merges."""
+    long_module = ("a." * 1000)[:2000]
+    base = zero_base(tmp_path / "base.safetensors", [long_module])
+    folder = write_factors(
+        tmp_path / "long", factors_of({long_module: 2}), rank_pattern={".*.*.*z": 2}
+    )
+    started = time.monotonic()
+    assert_refused_by_both(
+        capsys, tmp_path, [folder], base, str(folder / "adapter_config.json"),
+        'rank_pattern key ".*.*.*z" cannot be matched against module "a.a.a.',
+        f"has 2000 characters, more than {lora.MAX_MODULE_CHARS}", "refused",
+    )  # fmt: skip
+    assert time.monotonic() - started < 5
+    module = ("a." * 150)[: lora.MAX_MODULE_CHARS]
+    base = zero_base(tmp_path / "base-300.safetensors", [module])
+    tensors = factors_of({module: 2})
+    folder = write_factors(
+        tmp_path / "300", tensors, r=2, lora_alpha=4, rank_pattern={".*.*.*z": 8}
+    )
+    out = tmp_path / "out.safetensors"
+    code, _, err = run_main(capsys, "merge", folder, "--base", base, "-m", "ta", "-o", out, "-q")
+    assert code == 0, err
+    key = f"base_model.model.{module}"
+    expected = 4 / 2 * tensors[f"{key}.lora_B.weight"] @ tensors[f"{key}.lora_A.weight"]
+    torch.testing.assert_close(load_state_dict(out)[f"{module}.weight"], expected)
+
+
 def test_pattern_keys_real_adapters_use_still_apply(tmp_path, capsys):
     """Plain dotted names, ``.*q_proj``, ``\\d+`` and an alternation outside any repeat keep
     PEFT's meaning: each module gets r and lora_alpha from the first key that applies."""
