@@ -4,19 +4,22 @@ models. Each is driven through the CLI as a user would, and checked to lose noth
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import struct
 import subprocess
+import time
 
 import pytest
 import torch
-from hostile import assert_refused, run_cli, snapshot
+from hostile import assert_not_read, assert_refused, run_cli, snapshot
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from mergekit_loco.io import CheckpointError, open_checkpoint
 from mergekit_loco.io.atomic import hidden_stem, process_tag
+from mergekit_loco.io.reader import MAX_SHARD_NAMES
 
 
 def write_index(folder, weight_map: dict[str, str]) -> None:
@@ -182,6 +185,42 @@ def test_an_index_naming_one_shard_two_ways_reads_it_once(capsys, tmp_path, mode
     code, err, _ = run_cli(capsys, "merge", folder, "--base", base, "-m", "ta", "-o", out)
     assert code == 0, err
     assert load_file(out)["b"].tolist() == [5.0, 5.0]
+
+
+def spellings_of(name: str, count: int) -> list[str]:
+    """``count`` distinct spellings of one file: ``./name``, ``.//name``, ``././name``..."""
+    prefixes = (
+        "".join(parts)
+        for size in itertools.count(1)
+        for parts in itertools.product(("./", ".//"), repeat=size)
+    )
+    return [prefix + name for prefix in itertools.islice(prefixes, count)]
+
+
+def test_an_index_naming_too_many_shards_is_refused_at_once(capsys, tmp_path):
+    """Before, one shard under 20000 spellings (``./s``, ``.//s``...) took 30 s to refuse (each
+    spelling scanned the whole map); now the count is checked before any shard is looked at,
+    and MAX_SHARD_NAMES spellings of one file still merge, the file read once."""
+    names = [f"t{i}" for i in range(MAX_SHARD_NAMES)]
+    folder = tmp_path / "tuned"
+    folder.mkdir()
+    save_file({name: torch.tensor([3.0]) for name in names}, folder / "s.safetensors")
+    base = tmp_path / "base.safetensors"
+    save_file({name: torch.tensor([1.0]) for name in names}, base)
+    out = tmp_path / "out.safetensors"
+    spellings = spellings_of("s.safetensors", MAX_SHARD_NAMES + 1)
+    write_index(folder, dict(zip([*names, "extra"], spellings, strict=True)))
+    started = time.monotonic()
+    code, err, opened = run_cli(capsys, "merge", folder, "--base", base, "-m", "ta", "-o", out)
+    assert_refused(code, err, "model.safetensors.index.json: bad index: its weight_map names "
+                   f"{MAX_SHARD_NAMES + 1} shard files, more than {MAX_SHARD_NAMES}")  # fmt: skip
+    assert_not_read(opened, folder / "s.safetensors")
+    assert time.monotonic() - started < 5
+    write_index(folder, dict(zip(names, spellings[:-1], strict=True)))
+    code, err, _ = run_cli(capsys, "merge", folder, "--base", base, "-m", "ta", "-o", out, "-q")
+    assert code == 0, err
+    assert set(load_file(out)) == set(names)
+    assert all(value.tolist() == [3.0] for value in load_file(out).values())
 
 
 def hub_snapshots(root, shards: dict[str, dict[str, dict[str, torch.Tensor]]]):

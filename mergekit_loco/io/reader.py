@@ -35,6 +35,9 @@ LENGTH_PREFIX_BYTES = 8
 MAX_HEADER_BYTES = 100_000_000
 #: Elements per tensor (and any shape entry) must stay below 2**63: torch sizes are int64.
 MAX_NUMEL = 2**63
+#: Shard names one index may give (real models: a few hundred at most); each is resolved on the
+#: filesystem, and one file spelled many ways (``./s``, ``.//s``...) is read once.
+MAX_SHARD_NAMES = 10_000
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 
@@ -222,13 +225,20 @@ def read_index(index: Path) -> dict[str, TensorEntry]:
             f"{shown(index)}: bad index: expected a JSON object whose weight_map maps tensor "
             "names to shard file names"
         )
+    spelled: dict[str, list[str]] = {}  # shard name as the map spells it -> its tensors
+    for name, shard_name in weight_map.items():
+        spelled.setdefault(shard_name, []).append(name)
+    if len(spelled) > MAX_SHARD_NAMES:
+        raise CheckpointError(
+            f"{shown(index)}: bad index: its weight_map names {len(spelled)} shard files, more "
+            f"than {MAX_SHARD_NAMES}"
+        )
     shards: dict[Path, tuple[Path, list[str]]] = {}  # one file however the map spells it
-    for shard_name in sorted(set(weight_map.values())):
+    for shard_name, listed in sorted(spelled.items()):
         try:
             shard = inside(index.parent, shard_name, "shard")
         except UnsafeInputError as error:
             raise CheckpointError(f"{shown(index)}: {error}") from None
-        listed = [name for name, file in weight_map.items() if file == shard_name]
         if not shard.exists():
             raise CheckpointError(
                 f"{shown(index)}: points at missing shard {shown(shard_name)} (for tensor "
