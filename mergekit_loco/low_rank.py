@@ -132,7 +132,7 @@ def product_is_finite(left: torch.Tensor, right: torch.Tensor) -> bool:
 def rank_pattern(ranks: dict[str, int], rank: int) -> dict[str, int]:
     """The ``rank_pattern`` that gives each module its rank in ``ranks`` where the default is
     ``rank``, under PEFT's rule (the first key that is the module's name or a dotted suffix of
-    it: :func:`~mergekit_loco.io.lora.pattern_matches`): the modules of another rank, and every
+    it: :class:`~mergekit_loco.io.lora.ModulePattern`): the modules of another rank, and every
     module whose name ends in ``.`` + one of those (else that key would apply to it), longest
     first (so each module meets its own key first)."""
     other = {module for module, value in ranks.items() if value != rank}

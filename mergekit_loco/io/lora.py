@@ -5,7 +5,7 @@ adapted linear layer ``M``, ``base_model.model.M.lora_A.weight`` (r x in) and
 ``base_model.model.M.lora_B.weight`` (out x r); it adapts the base tensor ``M.weight``.
 ``scaling = lora_alpha / r`` (``lora_alpha / sqrt(r)`` with ``use_rslora``), ``r`` and
 ``lora_alpha`` of a module taken from the first ``rank_pattern`` / ``alpha_pattern`` key that
-matches its name as PEFT matches it (:func:`pattern_matches`; a key that can backtrack
+matches its name as PEFT matches it (:class:`ModulePattern`; a key that can backtrack
 catastrophically is refused). Options that are not
 a plain low-rank delta of a weight (DoRA, trained biases, saved full modules, embedding LoRA,
 ``fan_in_fan_out``) are refused with the option named. So is an adapter whose factors are not
@@ -16,7 +16,6 @@ float32 (8-bit floats included) are scaled and multiplied in float32.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import re
@@ -51,6 +50,10 @@ def _is_number(value: object) -> bool:
 
 #: The longest ``rank_pattern`` / ``alpha_pattern`` key read (PEFT's own are module names).
 MAX_PATTERN_CHARS = 1000
+#: The most keys a ``rank_pattern`` / ``alpha_pattern`` may hold: each module name is matched
+#: against every key (PEFT's rule), keys x modules matches in all; PEFT writes at most one key
+#: per module, and 100000 are more modules than any model we know adapts.
+MAX_PATTERN_KEYS = 100_000
 
 
 #: Parsed-pattern operators that repeat their body: ``*``, ``+``, ``?``, ``{m,n}`` (greedy, lazy,
@@ -123,9 +126,8 @@ MAX_MODULE_CHARS = 300
 _PEFT_REPEATS = 2
 
 
-@functools.lru_cache(maxsize=4096)
 def _peft_regex(key: str) -> re.Pattern[str]:
-    r"""``(.*\.)?({key})$`` compiled, once per key; ValueError saying why for one that is no
+    r"""``(.*\.)?({key})$`` compiled; ValueError saying why for one that is no
     regular expression, that nests a choice inside a repeat (:func:`_choice_in_repeat`) or that
     holds more than :data:`MAX_KEY_REPEATS` repeats of varying count on one path
     (:func:`_varying_repeats`)."""
@@ -153,56 +155,69 @@ def _peft_regex(key: str) -> re.Pattern[str]:
     return compiled
 
 
-def pattern_matches(file: Path, option: str, key: str, module: str) -> bool:
-    r"""Whether ``rank_pattern`` / ``alpha_pattern`` key ``key`` applies to module ``module`` as
-    PEFT decides it: ``re.match(rf"(.*\.)?({key})$", module)``, the key a regular expression for
-    the module's whole name or a dotted suffix of it. A key longer than
-    :data:`MAX_PATTERN_CHARS`, that is no regular expression, or that nests a choice inside a
-    repeat (``(a+)+b``, ``(a|a)*b``: exponential backtracking) raises :class:`CheckpointError`
-    naming ``file`` and the key; so does a module name longer than :data:`MAX_MODULE_CHARS`.
-    Each key is parsed and compiled once per process."""
-    where = f"{shown(file)}: {option} key {json.dumps(key)[:60]}"
-    if len(module) > MAX_MODULE_CHARS:
-        raise CheckpointError(
-            f"{where} cannot be matched against module {json.dumps(module[:60])}..., whose name "
-            f"has {len(module)} characters, more than {MAX_MODULE_CHARS}: a pattern's match time "
-            "grows steeply with the name (real module names are dotted paths under 150 "
-            "characters); refused"
-        )
-    if len(key) > MAX_PATTERN_CHARS:
-        raise CheckpointError(
-            f"{where} has {len(key)} characters, more than {MAX_PATTERN_CHARS} (each key is a "
-            "regular expression for module names)"
-        )
-    try:
-        regex = _peft_regex(key)
-    except ValueError as error:
-        raise CheckpointError(f"{where} {error}") from None
-    return regex.match(module) is not None
+class ModulePattern:
+    r"""A ``rank_pattern`` / ``alpha_pattern`` as PEFT applies it: module ``M`` takes the value
+    of the first key ``k`` (in the file's order) with ``re.match(rf"(.*\.)?({k})$", M)``, the
+    key a regular expression for the module's whole name or a dotted suffix of it.
+
+    Every key is checked and compiled once, here: one longer than :data:`MAX_PATTERN_CHARS`,
+    that is no regular expression, that nests a choice inside a repeat (``(a+)+b``, ``(a|a)*b``:
+    exponential backtracking) or holds more than :data:`MAX_KEY_REPEATS` repeats, and a pattern
+    of more than :data:`MAX_PATTERN_KEYS` keys raise :class:`CheckpointError` naming ``file``,
+    ``option`` and the key."""
+
+    def __init__(self, file: Path, option: str, pattern: dict[str, object]):
+        self.file, self.option = file, option
+        if len(pattern) > MAX_PATTERN_KEYS:
+            raise CheckpointError(
+                f"{shown(file)}: {option} has {len(pattern)} keys, more than {MAX_PATTERN_KEYS} "
+                "(each key is matched against every module name)"
+            )
+        self._keys = [(key, self._compiled(key), value) for key, value in pattern.items()]
+
+    def _where(self, key: str) -> str:
+        return f"{shown(self.file)}: {self.option} key {json.dumps(key)[:60]}"
+
+    def _compiled(self, key: str) -> re.Pattern[str]:
+        if len(key) > MAX_PATTERN_CHARS:
+            raise CheckpointError(
+                f"{self._where(key)} has {len(key)} characters, more than {MAX_PATTERN_CHARS} "
+                "(each key is a regular expression for module names)"
+            )
+        try:
+            return _peft_regex(key)
+        except ValueError as error:
+            raise CheckpointError(f"{self._where(key)} {error}") from None
+
+    def value(self, module: str, default: object) -> object:
+        """The value of the first key that applies to ``module``, else ``default``; a module
+        name longer than :data:`MAX_MODULE_CHARS` raises :class:`CheckpointError`."""
+        if self._keys and len(module) > MAX_MODULE_CHARS:
+            raise CheckpointError(
+                f"{self._where(self._keys[0][0])} cannot be matched against module "
+                f"{json.dumps(module[:60])}..., whose name has {len(module)} characters, more "
+                f"than {MAX_MODULE_CHARS}: a pattern's match time grows steeply with the name "
+                "(real module names are dotted paths under 150 characters); refused"
+            )
+        for _, regex, value in self._keys:
+            if regex.match(module) is not None:
+                return value
+        return default
 
 
-def pattern_value(file: Path, option: str, pattern: dict, module: str, default: object) -> object:
-    """The value of the first key of ``pattern`` (in its order) that applies to ``module``
-    (:func:`pattern_matches`), else ``default``: PEFT's rule."""
-    for key, value in pattern.items():
-        if pattern_matches(file, option, key, module):
-            return value
-    return default
-
-
-def _check_settings(file: Path, config: dict) -> None:
+def _check_settings(file: Path, config: dict) -> dict[str, ModulePattern]:
     """Rank and alpha settings are what PEFT writes: ``r`` and every ``rank_pattern`` value a
     positive int, ``lora_alpha`` and every ``alpha_pattern`` value a positive finite number,
-    the patterns objects keyed by module names, ``use_rslora`` a bool."""
+    the patterns objects keyed by module names (returned compiled), ``use_rslora`` a bool."""
     ranks = {"r": config.get("r")}
     alphas = {"lora_alpha": config.get("lora_alpha", 8)}
+    patterns = {}
     for option, into in (("rank_pattern", ranks), ("alpha_pattern", alphas)):
         pattern = config.get(option) or {}
         if not isinstance(pattern, dict):
             raise CheckpointError(f"{shown(file)}: {option!r} must be an object of module names")
+        patterns[option] = ModulePattern(file, option, pattern)  # bad keys refused before use
         into.update({f"{option}[{key!r}]": value for key, value in pattern.items()})
-        for key in pattern:
-            pattern_matches(file, option, key, "")  # a bad key is refused before any use
     for where, rank in ranks.items():
         if not isinstance(rank, int) or isinstance(rank, bool) or not 0 < rank < 2**31:
             raise CheckpointError(
@@ -217,10 +232,12 @@ def _check_settings(file: Path, config: dict) -> None:
             )
     if not isinstance(config.get("use_rslora", False), bool):
         raise CheckpointError(f"{shown(file)}: 'use_rslora' must be true or false")
+    return patterns
 
 
-def read_adapter_config(folder: Path) -> dict:
-    """``adapter_config.json`` of ``folder``, its unsupported options and bad settings refused."""
+def read_adapter_config(folder: Path) -> tuple[dict, dict[str, ModulePattern]]:
+    """``adapter_config.json`` of ``folder``, its unsupported options and bad settings refused,
+    and its ``rank_pattern`` and ``alpha_pattern`` compiled."""
     file = inside(folder, ADAPTER_CONFIG, ADAPTER_CONFIG)  # no symlink out of the folder
     config = read_json(file, "adapter config")  # a regular file, strict JSON, bounded
     if not isinstance(config, dict):
@@ -237,8 +254,7 @@ def read_adapter_config(folder: Path) -> dict:
         if refused:
             shown_value = json.dumps(config.get(option))
             raise CheckpointError(f"{file}: {option!r} is {shown_value}: {reason}")
-    _check_settings(file, config)
-    return config
+    return config, _check_settings(file, config)
 
 
 def _at_least_float32(dtype: torch.dtype) -> torch.dtype:
@@ -255,7 +271,7 @@ class LoraAdapter:
 
     def __init__(self, folder: str | Path):
         self.path = Path(folder)
-        config = read_adapter_config(self.path)
+        config, self._patterns = read_adapter_config(self.path)
         weights = self.path / ADAPTER_WEIGHTS
         if not weights.is_file():
             found = sorted(p.name for p in self.path.glob("adapter_model.*"))
@@ -311,11 +327,9 @@ class LoraAdapter:
 
     def _scaling(self, config: dict, module: str) -> float:
         """``alpha / r`` (or ``alpha / sqrt(r)``), ``r`` and ``alpha`` from the first
-        rank_pattern / alpha_pattern key that applies to ``module`` (:func:`pattern_value`)."""
-        file = self.path / ADAPTER_CONFIG
-        ranks, alphas = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
-        rank = pattern_value(file, "rank_pattern", ranks, module, config["r"])
-        alpha = pattern_value(file, "alpha_pattern", alphas, module, config.get("lora_alpha", 8))
+        rank_pattern / alpha_pattern key that applies to ``module`` (:class:`ModulePattern`)."""
+        rank = self._patterns["rank_pattern"].value(module, config["r"])
+        alpha = self._patterns["alpha_pattern"].value(module, config.get("lora_alpha", 8))
         self._ranks[module] = rank
         return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
