@@ -35,12 +35,12 @@ WEIGHT_DECAY=0.1
 # then 0.4), each time R = 2's best stayed on the momentum edge; diloco-sgd's one step down in
 # lr (0.568 = 0.8 x 0.71), when R = 2's best lay on its low edge; isoloco's one step down in lr
 # (0.639 = 0.9 x 0.71) and momentum (0.7), when its R = 2 cells put the best on both low edges,
-# then in momentum again (0.6, then 0.5), each time R = 2's best moved to the new lowest momentum
-# (docs/results/aggregators_tuned.md).
+# then in momentum again (0.6, then 0.5, then 0.4), each time R = 2's best moved to the new lowest
+# momentum (docs/results/aggregators_tuned.md).
 OUTER_LR_GRID="${OUTER_LR_GRID:-0.5,0.71,1,1.41,2 diloco=0.248,0.35,0.497,0.7,0.987,1.4
   diloco-sgd=0.568,0.8,1.136,1.6,2.256,3.2 isoloco=0.639,0.9,1.278,1.8,2.538,3.6}"
 MOMENTUM_GRID="${MOMENTUM_GRID:-0.8,0.9,0.95 diloco=0.4,0.5,0.6,0.7,0.8,0.9,0.95
-  isoloco=0.5,0.6,0.7,0.8,0.9,0.95}"
+  isoloco=0.4,0.5,0.6,0.7,0.8,0.9,0.95}"
 GRIDS=()
 for spec in $OUTER_LR_GRID; do GRIDS+=(--outer-lr-grid "$spec"); done
 for spec in $MOMENTUM_GRID; do GRIDS+=(--outer-momentum-grid "$spec"); done
