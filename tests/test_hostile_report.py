@@ -109,12 +109,20 @@ def evaluations(**changes) -> dict:
     return {"domains": ["code"], "models": models, **changes}
 
 
-def test_a_well_formed_evaluations_file_reports(capsys, tmp_path):
+@pytest.mark.parametrize("omitted", [(), ("method", "scale")])
+def test_a_well_formed_evaluations_file_reports(capsys, tmp_path, omitted):
+    """Also where the base and fine-tune entries leave out their null method and scale."""
+    document = evaluations()
+    for model in document["models"][:2]:
+        for key in omitted:
+            del model[key]
     folder = tmp_path / "merge"
     folder.mkdir()
-    (folder / "evaluations.json").write_text(json.dumps(evaluations()))
+    (folder / "evaluations.json").write_text(json.dumps(document))
     code, err, _ = run_cli(capsys, "report", folder, "--no-figures")
     assert code == 0, err
+    rows = json.loads((folder / "merge_results.json").read_text())["summary"]
+    assert [row["model"] for row in rows] == ["base", "finetune:code", "ta"]
 
 
 MODELS = evaluations()["models"]
@@ -133,9 +141,22 @@ MODELS = evaluations()["models"]
     (evaluations(models=[{**MODELS[0], "losses": {"code": {}, "prose": {}}}, *MODELS[1:]]),
      "'losses' must hold exactly the domains ['code']"),
     (evaluations(models=[{"kind": "base"}, *MODELS[1:]]), "models[0] needs a 'label' string"),
+    (evaluations(models=[MODELS[0], {**MODELS[1], "scale": "big"}, MODELS[2]]),
+     "models[1]: a finetuned model has no 'method' or 'scale' (null)"),
+    (evaluations(models=[{**MODELS[0], "method": ["x"]}, *MODELS[1:]]),
+     "models[0]: a base model has no 'method' or 'scale'"),
+    (evaluations(models=[*MODELS[:2], {**MODELS[2], "method": ""}]), "a merge needs a 'method'"),
+    (evaluations(models=[*MODELS[:2], {**MODELS[2], "method": "finetune:code"}]),
+     "models[2]: method 'finetune:code' is the label of a model that is not a merge"),
+    (evaluations(models=[*MODELS, {**MODELS[2], "label": "ta@1b"}]),
+     "models[3]: a second merge of method 'ta' at scale 1 (the first is models[2])"),
+    (evaluations(models=[*MODELS, {**MODELS[2], "scale": 0.5}]),
+     "models[3]: label 'ta@1' is models[2]'s too"),
 ])  # fmt: skip
 def test_a_damaged_evaluations_file_is_named(capsys, tmp_path, document, fragment):
-    """Before: StopIteration, ZeroDivisionError, TypeError, or ``error: domains``."""
+    """Before: StopIteration, ZeroDivisionError, TypeError, ``error: domains`` or ``error:
+    method``; a fine-tune's scale "big" wrote three tables before ``error: Unknown format code
+    'g'``; a merge named after the fine-tune replaced its row. Nothing is written."""
     folder = tmp_path / "merge"
     folder.mkdir()
     (folder / "evaluations.json").write_text(json.dumps(document))

@@ -55,8 +55,9 @@ MODEL_KINDS = ("base", "finetuned", "merge")
 def check_evaluations(document: object, where: str) -> None:
     """Refuse, naming ``where`` and the entry, evaluations a report cannot read: ``domains`` a
     non-empty list of distinct names; ``models`` with one ``base``, a ``finetune:DOMAIN`` for
-    every domain, and for each model a label, a kind, a method and finite scale for merges, and
-    a positive finite loss per domain and split."""
+    every domain, and for each model a distinct label, a kind, a method name (not another
+    model's label) and finite scale for merges (one merge per method and scale) and neither for
+    the others, and a positive finite loss per domain and split."""
     if not isinstance(document, dict):
         raise ValueError(f"{where}: not a JSON object")
     domains, models = document.get("domains"), document.get("models")
@@ -70,9 +71,12 @@ def check_evaluations(document: object, where: str) -> None:
             raise ValueError(f"{entry} needs a 'label' string")
         if model.get("kind") not in MODEL_KINDS:
             raise ValueError(f"{entry}: 'kind' must be one of {', '.join(MODEL_KINDS)}")
-        merge = model["kind"] == "merge"
-        scale = model.get("scale")
-        if merge and not (isinstance(model.get("method"), str) and is_finite_number(scale)):
+        method, scale = model.get("method"), model.get("scale")
+        if model["kind"] != "merge" and (method, scale) != (None, None):
+            raise ValueError(f"{entry}: a {model['kind']} model has no 'method' or 'scale' (null)")
+        if model["kind"] == "merge" and not (
+            isinstance(method, str) and method and is_finite_number(scale)
+        ):
             raise ValueError(f"{entry}: a merge needs a 'method' name and a finite 'scale'")
         losses = model.get("losses")
         if not isinstance(losses, dict) or set(losses) != set(domains):
@@ -87,6 +91,25 @@ def check_evaluations(document: object, where: str) -> None:
     labels = [model["label"] for model in models]
     if [model["kind"] for model in models].count("base") != 1:
         raise ValueError(f"{where}: 'models' must hold exactly one base")
+    others = {model["label"] for model in models if model["kind"] != "merge"}
+    first: dict[str, int] = {}  # label -> the first entry holding it
+    merges: dict[tuple[str, float], int] = {}  # (method, scale) -> the first such merge
+    for index, model in enumerate(models):
+        entry = f"{where}: models[{index}]"
+        label = model["label"]
+        if first.setdefault(label, index) != index:
+            raise ValueError(f"{entry}: label {label!r} is models[{first[label]}]'s too")
+        if model["kind"] == "merge":
+            method, scale = model["method"], model["scale"]
+            if merges.setdefault((method, scale), index) != index:
+                raise ValueError(
+                    f"{entry}: a second merge of method {method!r} at scale {scale:g} (the first "
+                    f"is models[{merges[method, scale]}])"
+                )
+            if method in others:
+                raise ValueError(
+                    f"{entry}: method {method!r} is the label of a model that is not a merge"
+                )
     for domain in domains:
         if f"finetune:{domain}" not in labels:
             raise ValueError(f"{where}: no model 'finetune:{domain}' (the fine-tune of {domain!r})")
@@ -125,7 +148,7 @@ def merge_records(document: Mapping) -> list[dict]:
     for model in document["models"]:
         for split in MERGE_SPLITS:
             scores = merge_scores(document, model["losses"], split)
-            row = {key: model[key] for key in ("label", "kind", "method", "scale")}
+            row = {key: model.get(key) for key in ("label", "kind", "method", "scale")}
             row["split"] = split
             for domain in document["domains"]:
                 row[f"loss_{domain}"] = scores["loss"][domain]
@@ -296,6 +319,7 @@ def report_documents(
     columns = ["set", "label", "kind", "method", "scale", "split"]
     columns += [f"loss_{d}" for d in domains] + [f"normalized_{d}" for d in domains]
     columns += ["loss", "normalized", "gain_kept"]
+    table = merge_table(summary, domains, len(documents))  # all computed before a file is written
     claim_folder(out, kind, reads=(EVALUATIONS,))
     write_atomically(out / "merge_results.csv", csv_text(records, columns))
     summary_rows = merge_summary_records(summary)
@@ -312,5 +336,5 @@ def report_documents(
 
         plot_merges(documents, summary, out / "merging.png")
     if console is not None:
-        console.print(merge_table(summary, domains, len(documents)))
+        console.print(table)
     return summary
