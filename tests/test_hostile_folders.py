@@ -17,7 +17,7 @@ from hostile import assert_not_read, assert_refused, run_cli, snapshot
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from mergekit_loco.io import CheckpointError, open_checkpoint
+from mergekit_loco.io import CheckpointError, open_checkpoint, writer
 from mergekit_loco.io.atomic import hidden_stem, process_tag
 from mergekit_loco.io.reader import MAX_SHARD_NAMES
 
@@ -221,6 +221,32 @@ def test_an_index_naming_too_many_shards_is_refused_at_once(capsys, tmp_path):
     assert code == 0, err
     assert set(load_file(out)) == set(names)
     assert all(value.tolist() == [3.0] for value in load_file(out).values())
+
+
+@pytest.mark.parametrize("file_name", ["config.json", "tokenizer.json"])
+def test_an_oversized_config_file_of_the_base_is_refused_before_merging(
+    capsys, tmp_path, models, file_name
+):
+    """Before, a sparse 400 MB config.json in the base folder was read whole (peak memory up
+    by twice its size) and copied into the output. A config or tokenizer file over 100 MB is
+    refused naming it, before any tensor is merged; one of exactly 100 MB is copied."""
+    base = tmp_path / "base"
+    base.mkdir()
+    save_file({"a": torch.ones(4)}, base / "model.safetensors")
+    limit = writer.MAX_CONFIG_FILE_BYTES
+    with open(base / file_name, "wb") as handle:
+        handle.truncate(limit + 1)
+    out = tmp_path / "merged"
+    before = snapshot(tmp_path)
+    args = ["merge", models / "ft1.safetensors", "--base", base, "-m", "ta", "-o", out]
+    code, err, _ = run_cli(capsys, *args)
+    assert_refused(code, err, f"{base / file_name}: {limit + 1} bytes, more than a config or "
+                   "tokenizer file may hold")  # fmt: skip
+    assert snapshot(tmp_path) == before
+    os.truncate(base / file_name, limit)
+    code, err, _ = run_cli(capsys, *args, "-q")
+    assert code == 0, err
+    assert (out / file_name).stat().st_size == limit
 
 
 def hub_snapshots(root, shards: dict[str, dict[str, dict[str, torch.Tensor]]]):

@@ -80,12 +80,19 @@ def open_regular(path: Path, what: str = "file") -> BinaryIO:
     return os.fdopen(fd, "rb", buffering=0)
 
 
+def open_limited(path: Path, limit: int, what: str = "file") -> BinaryIO:
+    """:func:`open_regular`, refusing a file larger than ``limit`` bytes."""
+    handle = open_regular(path, what)
+    size = os.fstat(handle.fileno()).st_size
+    if size > limit:
+        handle.close()
+        raise UnsafeInputError(f"{shown(path)}: {size} bytes, more than a {what} may hold")
+    return handle
+
+
 def read_limited(path: Path, limit: int, what: str = "file") -> bytes:
     """The bytes of the regular file ``path``, refusing one larger than ``limit`` bytes."""
-    with open_regular(path, what) as handle:
-        size = os.fstat(handle.fileno()).st_size
-        if size > limit:
-            raise UnsafeInputError(f"{shown(path)}: {size} bytes, more than a {what} may hold")
+    with open_limited(path, limit, what) as handle:
         try:
             return handle.read(limit + 1)[:limit]
         except OSError as error:

@@ -26,13 +26,23 @@ from mergekit_loco.io.atomic import (
     is_file_output,
     staged_output,
 )
-from mergekit_loco.io.files import UnsafeInputError, inside, open_regular, parse_json, shown
+from mergekit_loco.io.files import (
+    MAX_JSON_BYTES,
+    UnsafeInputError,
+    inside,
+    open_limited,
+    parse_json,
+    read_limited,
+    shown,
+)
 from mergekit_loco.io.reader import INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE, CheckpointError
 
 #: Hugging Face's default shard size.
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 #: Files copied from the base's folder into a folder output.
 CONFIG_FILES = tuple(sorted(CHECKPOINT_SIDE_FILES - {OWNER_MARKER}))
+#: The largest of them copied (real tokenizer.json files run to tens of MB).
+MAX_CONFIG_FILE_BYTES = MAX_JSON_BYTES
 DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 COPY_CHUNK_BYTES = 2**20
 #: The model config among :data:`CONFIG_FILES`, and its keys that name the weights' dtype.
@@ -150,6 +160,9 @@ class CheckpointWriter:
         self.force = force
         self.config_dir = Path(config_dir) if config_dir is not None else None
         check_output(self.out_path, force, inputs)
+        if self.config_dir is not None and not self.single_file:
+            for file_name in self._config_files():  # refused now, not after the merge
+                self._open_config(file_name).close()
         self._staging: Path | None = None
         self._stack = ExitStack()
         self._finished_shards: list[list[str]] = []
@@ -215,18 +228,41 @@ class CheckpointWriter:
         if self.config_dir is not None:
             self._copy_configs()
 
-    def _copy_configs(self) -> None:
-        """Copy the config/tokenizer files of ``config_dir`` that are regular files inside it."""
+    def _config_files(self) -> list[str]:
+        """The names of :data:`CONFIG_FILES` present in ``config_dir`` (or dangling links)."""
+        found = []
         for file_name in CONFIG_FILES:
             source = self.config_dir / file_name
-            if not (source.exists() or source.is_symlink()):
-                continue
-            try:
-                with open_regular(inside(self.config_dir, file_name, file_name)) as handle:
-                    with open(self._staging / file_name, "wb") as copy:
-                        shutil.copyfileobj(handle, copy, COPY_CHUNK_BYTES)
-            except UnsafeInputError as error:
-                raise CheckpointError(str(error)) from None
+            if source.exists() or source.is_symlink():
+                found.append(file_name)
+        return found
+
+    def _open_config(self, file_name: str) -> BinaryIO:
+        """``config_dir / file_name`` opened: a regular file inside ``config_dir`` of at most
+        :data:`MAX_CONFIG_FILE_BYTES`, else :class:`CheckpointError` naming it."""
+        try:
+            source = inside(self.config_dir, file_name, file_name)
+            return open_limited(source, MAX_CONFIG_FILE_BYTES, "config or tokenizer file")
+        except UnsafeInputError as error:
+            raise CheckpointError(str(error)) from None
+
+    def _copy_configs(self) -> None:
+        """Copy the config/tokenizer files of ``config_dir`` that are regular files inside it,
+        each of at most :data:`MAX_CONFIG_FILE_BYTES` (checked again as it is copied)."""
+        for file_name in self._config_files():
+            with (
+                self._open_config(file_name) as handle,
+                open(self._staging / file_name, "wb") as copy,
+            ):
+                left = MAX_CONFIG_FILE_BYTES + 1
+                while chunk := handle.read(min(COPY_CHUNK_BYTES, left)):
+                    left -= len(chunk)
+                    if left == 0:
+                        raise CheckpointError(
+                            f"{shown(self.config_dir / file_name)}: grew past "
+                            f"{MAX_CONFIG_FILE_BYTES} bytes while it was copied"
+                        )
+                    copy.write(chunk)
         if len(self._float_dtypes) == 1 and (self._staging / CONFIG_FILE).is_file():
             self._name_dtype(self._staging / CONFIG_FILE, *self._float_dtypes)
 
@@ -236,7 +272,8 @@ class CheckpointWriter:
         ``from_pretrained(OUT)`` loads the model in the dtype it was written in. A config that
         is not a JSON object stays as copied (transformers will say what is wrong with it)."""
         try:
-            config = parse_json(config_file.read_bytes(), shown(config_file))
+            text = read_limited(config_file, MAX_CONFIG_FILE_BYTES, "config")
+            config = parse_json(text, shown(config_file))
         except UnsafeInputError:
             return
         keys = [key for key in DTYPE_KEYS if isinstance(config, dict) and key in config]
