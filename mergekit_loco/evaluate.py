@@ -198,11 +198,14 @@ def eval_progress(enabled: bool) -> Progress:
 
 
 def check_request(
-    models: Sequence[str | Path], datasets: Sequence[str], seq_len: int, val_sets: int
+    models: Sequence[str | Path], datasets: Sequence[str], tokens: int, seq_len: int, val_sets: int
 ) -> None:
-    """Refuse an evaluation that names no model or no dataset, or windows or sets too few."""
+    """Refuse an evaluation that names no model or no dataset, or tokens, windows or sets too
+    few."""
     if not models or not datasets:
         raise ValueError("give at least one model and one dataset (--data)")
+    if tokens < 1:
+        raise ValueError(f"--tokens must be >= 1, got {tokens}")
     if seq_len < 2:
         raise ValueError(f"--seq-len must be >= 2, got {seq_len}")
     if val_sets < 1:
@@ -226,7 +229,7 @@ def evaluate_models(
     validation sets of ``tokens`` each, evaluated one by one: their spread
     (:func:`val_set_spreads`) is the noise of a ``tokens``-token evaluation. ``progress``: a
     bar per evaluation on a terminal (:func:`eval_progress`)."""
-    check_request(models, datasets, seq_len, val_sets)
+    check_request(models, datasets, tokens, seq_len, val_sets)
     device = resolve_device(device)
     results = []
     with eval_progress(progress) as bars:

@@ -169,6 +169,30 @@ def test_default_shard_size_is_the_writers():
     assert parse_size(DEFAULT_SHARD_SIZE) == DEFAULT_MAX_SHARD_BYTES
 
 
+@pytest.mark.parametrize(("text", "size"), [
+    ("1.1GB", 1_100_000_000),  # exact: float gives 1100000000.0000002
+    ("0.5KiB", 512),
+    (" 7 b ", 7),
+    ("1" + "0" * 400, 10**400),  # before: "cannot convert float infinity to integer"
+    ("2.9999", 2),  # whole bytes, rounded down
+])  # fmt: skip
+def test_shard_sizes_are_read_exactly(text, size):
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize(("text", "reason"), [
+    ("0", "is less than one byte"),
+    ("0.4B", "is less than one byte"),
+    ("5 parsecs", "is not a size like 5GB"),
+    ("-1GB", "is not a size like 5GB"),
+    ("1e3", "is not a size like 5GB"),
+])  # fmt: skip
+def test_bad_shard_sizes_name_the_option(text, reason):
+    with pytest.raises(ValueError, match=r"^--shard-size: ") as error:
+        parse_size(text)
+    assert reason in str(error.value)
+
+
 # -- the card's commands and first mistakes -------------------------------------------------------
 @pytest.fixture
 def single_files(tmp_path, monkeypatch):

@@ -243,6 +243,9 @@ def test_eval_of_no_dataset_is_one_error_before_any_warning(capsys, tmp_path, to
     (tmp_path / "config.json").write_text(json.dumps({"data": "stdlib", "val_tokens": 256}))
     code, err, _ = run_cli(capsys, "eval", folder, "--data=", *EVAL)
     assert assert_refused(code, err) == ("error: give at least one model and one dataset (--data)")
+    for tokens in ("0", "-5"):  # before: "need val_tokens >= 0 and max_train_tokens >= 1"
+        code, err, _ = run_cli(capsys, "eval", folder, "--data=stdlib", "--tokens", tokens)
+        assert assert_refused(code, err) == f"error: --tokens must be >= 1, got {tokens}"
     empty = tmp_path / "no-tokenizer"
     empty.mkdir()
     (empty / "README.md").write_text("notes\n")

@@ -385,7 +385,9 @@ def eval_command(
     from mergekit_loco import evaluate
 
     datasets = split_datasets(data)
-    evaluate.check_request(models, datasets, seq_len, val_sets)  # before any warning about them
+    evaluate.check_request(
+        models, datasets, tokens, seq_len, val_sets
+    )  # before any warning about them
     for warning in evaluate.held_out_warnings(models, datasets, tokens, seed, val_sets):
         print_warning(warning)
     results = evaluate.evaluate_models(

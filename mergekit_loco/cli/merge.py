@@ -6,6 +6,7 @@ torch is imported when a merge runs, not for ``mloco merge --help`` or a usage e
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 from pathlib import Path
 from typing import Annotated
 
@@ -35,11 +36,12 @@ DEFAULT_SHARD_SIZE = "5GB"  # io.DEFAULT_MAX_SHARD_BYTES, spelled for --help (a 
 
 
 def parse_size(value: str) -> int:
-    """``"5GB"`` -> 5e9 bytes; units B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB."""
+    """``"5GB"`` -> 5e9 bytes (rounded down to whole bytes); units B, KB, MB, GB, TB (powers of
+    1000) or KiB, MiB, GiB, TiB."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
-    if not match or match.group(2).lower() not in SIZE_UNITS or float(match.group(1)) <= 0:
+    if not match or match.group(2).lower() not in SIZE_UNITS:
         raise ValueError(f"--shard-size: {value!r} is not a size like 5GB, 500MB or 2GiB")
-    size = int(float(match.group(1)) * SIZE_UNITS[match.group(2).lower()])
+    size = int(Fraction(match.group(1)) * SIZE_UNITS[match.group(2).lower()])  # exact, any size
     if size < 1:
         raise ValueError(f"--shard-size: {value!r} is less than one byte")
     return size
