@@ -15,8 +15,9 @@ directions, so it runs on dense deltas). Every other method gets dense deltas ``
 
 from __future__ import annotations
 
+import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,13 +132,30 @@ def product_is_finite(left: torch.Tensor, right: torch.Tensor) -> bool:
 
 def rank_pattern(ranks: dict[str, int], rank: int) -> dict[str, int]:
     """The ``rank_pattern`` that gives each module its rank in ``ranks`` where the default is
-    ``rank``, under PEFT's rule (the first key that is the module's name or a dotted suffix of
-    it: :class:`~mergekit_loco.io.lora.ModulePattern`): the modules of another rank, and every
-    module whose name ends in ``.`` + one of those (else that key would apply to it), longest
-    first (so each module meets its own key first)."""
+    ``rank``, under PEFT's rule (the first key, a regular expression, that matches the module's
+    name or a dotted suffix of it: :class:`~mergekit_loco.io.lora.ModulePattern`): the modules
+    of another rank, and every module whose name ends in ``.`` + one of those (else that key
+    would apply to it), longest first (so each module meets its own key first), each key
+    spelled to match its own name only (:func:`literal_key`)."""
     other = {module for module, value in ranks.items() if value != rank}
     keys = other | {module for module in ranks if any(module.endswith(f".{k}") for k in other)}
-    return {module: ranks[module] for module in sorted(keys, key=lambda key: (-len(key), key))}
+    ordered = sorted(keys, key=lambda key: (-len(key), key))
+    return {literal_key(module, ranks): ranks[module] for module in ordered}
+
+
+def literal_key(module: str, modules: Iterable[str]) -> str:
+    """``module`` as a pattern key that PEFT applies to ``module`` and to the ``modules``
+    whose name ends in ``.module``, and to no other of them: the name itself where its
+    regular-expression reading does that (each ``.`` matches any character, so ``a.b`` would
+    also match a module ``a_b``), else the name with its special characters escaped."""
+    exact = {name for name in modules if name == module or name.endswith(f".{module}")}
+    try:
+        read = re.compile(rf"(.*\.)?({module})$")
+    except re.error:
+        return re.escape(module)
+    if {name for name in modules if read.match(name)} == exact:
+        return module
+    return re.escape(module)
 
 
 def check_same_shapes(adapters: Sequence[LoraAdapter]) -> None:

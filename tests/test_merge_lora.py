@@ -617,6 +617,48 @@ def test_lora_output_rank_pattern_gives_each_module_its_rank(tmp_path, capsys):
                                    atol=1e-6)  # fmt: skip
 
 
+def test_lora_output_rank_pattern_keys_match_their_own_module_only(tmp_path, capsys):
+    """A key is a regular expression: ``x.a.b`` (rank 4) would also match module ``x.a_b``
+    (rank 2, the default), whose factors would then disagree with its config on reading back
+    (before: the merged adapter could not be read). Such a key is escaped; keys that match
+    only their own modules stay plain names."""
+    modules = {"x.a.b": 4, "x.a_b": 2, "q.proj": 4, "c": 2}
+    generator = torch.Generator().manual_seed(5)
+    tensors = {}
+    for module, rank in modules.items():
+        tensors[f"base_model.model.{module}.lora_A.weight"] = torch.randn(
+            rank, 3, generator=generator
+        )
+        tensors[f"base_model.model.{module}.lora_B.weight"] = torch.randn(
+            4, rank, generator=generator
+        )
+    pattern = {r"x\.a\.b": 4, "q.proj": 4}  # scaling 1 everywhere
+    first = write_factors(tmp_path / "first", tensors, r=2, lora_alpha=2, rank_pattern=pattern,
+                          alpha_pattern=pattern)  # fmt: skip
+    out = tmp_path / "merged-adapter"
+    code, _, err = run_main(capsys, "merge", first, "-m", "ta", "--lora-output",
+                            "--compute-dtype", "float64", "-o", out)  # fmt: skip
+    assert code in (0, None), err
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["r"] == 2 and config["rank_pattern"] == pattern
+    written = load_state_dict(out / "adapter_model.safetensors")
+    for module, rank in modules.items():
+        assert written[f"base_model.model.{module}.lora_A.weight"].shape[0] == rank
+        assert peft_rank(config, module) == rank
+    base = write_state_dict({f"{m}.weight": torch.zeros(4, 3) for m in modules},
+                            tmp_path / "base.safetensors")  # fmt: skip
+    merged = merged_state(capsys, out, "--base", base, "-m", "ta", "--compute-dtype", "float64",
+                          tmp_path / "back.safetensors")  # fmt: skip
+    for module in modules:
+        key = f"base_model.model.{module}"
+        expected = (
+            tensors[f"{key}.lora_B.weight"].double() @ tensors[f"{key}.lora_A.weight"].double()
+        )
+        np.testing.assert_allclose(
+            merged[f"{module}.weight"], expected.numpy(), rtol=1e-6, atol=1e-6
+        )
+
+
 @pytest.mark.parametrize(
     ("weights", "fragment"),
     [("1,-1", "mean: weights sum to 0"), ("1e308,1e308", "mean: weights (1e+308, 1e+308) sum")],
