@@ -476,7 +476,8 @@ def test_compare_command_errors_are_one_line(capsys):
         (["--mode", "merge", "--base", "b"], "--mode merge needs --base, --finetuned and --data"),
         (["--workers", "2,x"], "--workers: '2,x' is not a comma-separated list of int"),
         (["--seeds", "0"], "--seeds: '0' is neither a count >= 1 nor a list like 0,1,2"),
-        (["--seeds", "1,-2"], "--seeds: '1,-2' needs seeds >= 0"),
+        (["--seeds", "1,-2"], "--seeds: '1,-2' needs seeds in [0, 2**63)"),
+        (["--seeds", f"{2**63},"], f"--seeds: '{2**63},' needs seeds in [0, 2**63)"),
         (
             ["--seeds", "900"],
             "--seeds 900 would run 900 seeds per cell (a count); for the one "

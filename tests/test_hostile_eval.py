@@ -246,6 +246,9 @@ def test_eval_of_no_dataset_is_one_error_before_any_warning(capsys, tmp_path, to
     for tokens in ("0", "-5"):  # before: "need val_tokens >= 0 and max_train_tokens >= 1"
         code, err, _ = run_cli(capsys, "eval", folder, "--data=stdlib", "--tokens", tokens)
         assert assert_refused(code, err) == f"error: --tokens must be >= 1, got {tokens}"
+    for seed in (-1, 2**63):  # before: evaluated a split no training run of train holds out
+        code, err, _ = run_cli(capsys, "eval", folder, "--data=stdlib", f"--seed={seed}")
+        assert assert_refused(code, err) == f"error: --seed: {seed} is not an integer in [0, 2**63)"
     empty = tmp_path / "no-tokenizer"
     empty.mkdir()
     (empty / "README.md").write_text("notes\n")

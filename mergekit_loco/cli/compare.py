@@ -14,6 +14,7 @@ from mergekit_loco.cli.common import (
     EXIT_RUN_FAILED,
     Debug,
     Quiet,
+    check_seed,
     path_parser,
     path_text_parser,
     print_error,
@@ -75,8 +76,8 @@ def parse_seeds(text: str) -> tuple[int, ...]:
     ``"7,"`` -> those seeds (a list)."""
     seeds = split_list("--seeds", text, int)
     if "," in text:
-        if not seeds or any(seed < 0 for seed in seeds):
-            raise ValueError(f"--seeds: {text!r} needs seeds >= 0")
+        if not seeds or any(not 0 <= seed < 2**63 for seed in seeds):
+            raise ValueError(f"--seeds: {text!r} needs seeds in [0, 2**63)")
         return tuple(seeds)
     if len(seeds) != 1 or seeds[0] < 1:
         raise ValueError(f"--seeds: {text!r} is neither a count >= 1 nor a list like 0,1,2")
@@ -385,9 +386,8 @@ def eval_command(
     from mergekit_loco import evaluate
 
     datasets = split_datasets(data)
-    evaluate.check_request(
-        models, datasets, tokens, seq_len, val_sets
-    )  # before any warning about them
+    evaluate.check_request(models, datasets, tokens, seq_len, val_sets)  # before any warning
+    check_seed(seed)  # the held-out split of a training run of that seed
     for warning in evaluate.held_out_warnings(models, datasets, tokens, seed, val_sets):
         print_warning(warning)
     results = evaluate.evaluate_models(
