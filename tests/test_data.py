@@ -24,7 +24,7 @@ from mergekit_loco.train.data import (
 )
 from mergekit_loco.train.debian_formats import read_r_lazyload_strings, read_sword_ztext_chapters
 from mergekit_loco.train.model import build_model, model_config
-from mergekit_loco.train.sources import load_documents
+from mergekit_loco.train.sources import MAX_SOURCES, load_documents
 from mergekit_loco.train.tokenizer import load_or_train_tokenizer, load_tokenizer
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron".split()
@@ -212,6 +212,24 @@ def test_a_path_with_commas_in_its_name_is_one_source(tmp_path, monkeypatch):
     assert [d.read() for d in documents] == ["plain\n", "first notes\n", "in a folder\n"]
     with pytest.raises(ValueError, match="'notes'"):
         load_documents("plain.txt,notes")  # no file of that name: named as given
+
+
+def test_a_long_list_of_files_is_split_and_a_huge_one_refused(tmp_path, monkeypatch):
+    """Before, a list of 20 files whose joined spec was longer than a file name (299
+    characters) failed with ``File name too long`` (Path.exists raised on the whole spec);
+    160 absolute paths likewise. Every file is now read, in order; a spec of more than
+    MAX_SOURCES parts is refused naming the bound."""
+    monkeypatch.chdir(tmp_path)
+    for index in range(160):
+        (tmp_path / f"chapter-{index:03d}.txt").write_text(f"chapter {index}\n")
+    relative = ",".join(f"chapter-{index:03d}.txt" for index in range(20))
+    absolute = ",".join(str(tmp_path / f"chapter-{index:03d}.txt") for index in range(160))
+    assert len(relative) > 255 and len(absolute) > 4096
+    for spec, count in ((relative, 20), (absolute, 160)):
+        documents = load_documents(spec)
+        assert [d.read() for d in documents] == [f"chapter {index}\n" for index in range(count)]
+    with pytest.raises(ValueError, match=f"more than {MAX_SOURCES}: put the files in one folder"):
+        load_documents(",".join(["chapter-000.txt"] * (MAX_SOURCES + 1)))
 
 
 @pytest.mark.parametrize("spec", ["no/such/place", "stdlib,,pydoc", "books"])

@@ -44,6 +44,28 @@ def test_data_that_is_not_text_is_refused_fast(capsys, tmp_path, monkeypatch, ki
     assert {k: v for k, v in after.items() if not k.startswith("cache")} == before
 
 
+def test_a_jsonl_text_with_a_lone_surrogate_escape_is_refused_naming_its_line(
+    capsys, tmp_path, monkeypatch
+):
+    """JSON can spell half a surrogate pair (``"\\ud83d"``), which decodes to no character;
+    before, training with the bundled tokenizer (and eval) ended in a TypeError traceback from
+    the tokenizer, and training one said ``'utf-8' codec can't encode character``, naming no
+    file. Refused naming the file and line; a whole pair (an emoji) is text."""
+    monkeypatch.setenv("MLOCO_CACHE", str(tmp_path / "cache"))
+    data = tmp_path / "data.jsonl"
+    good = '{"text": "' + LINE.strip() + ' \\ud83d\\ude00"}\n'
+    data.write_text(good * 150 + '{"text": "half \\ud83d here"}\n' + good * 50)
+    out = tmp_path / "run"
+    code, err, _ = run_cli(capsys, "train", *TRAIN, f"--data={data}", f"--out={out}")
+    assert_refused(
+        code, err, f'{data}:151: "text" holds the escape \\ud83d, half of a surrogate pair'
+    )
+    assert not out.exists()
+    data.write_text(good * 200)
+    code, err, _ = run_cli(capsys, "train", *TRAIN, f"--data={data}", f"--out={out}", "--quiet")
+    assert code == 0, err
+
+
 PEAK_SCRIPT = textwrap.dedent("""
     import resource, sys
     from pathlib import Path

@@ -50,21 +50,34 @@ def cache_root() -> Path:
 
 
 # -- sources ------------------------------------------------------------------------------------
+#: The most sources one data spec may list (more: give a folder that holds them).
+MAX_SOURCES = 10_000
+#: The most separators one source's own name may hold (``notes,2024.txt`` holds one).
+MAX_SEPARATORS_IN_NAME = 63
+
+
 def split_sources(spec: str, separator: str = ",") -> list[str]:
-    """The sources of a comma-separated data spec. A path whose name holds the separator stays
-    whole where it exists (``notes,2024.txt``): at each position the longest run of parts that
-    names an existing path is one source."""
+    """The sources of a comma-separated data spec. A path whose name holds the separator (at
+    most :data:`MAX_SEPARATORS_IN_NAME` times) stays whole where it exists
+    (``notes,2024.txt``): at each position the longest run of parts that names an existing
+    path is one source; a run too long to be a path name is none."""
     parts = spec.split(separator)
+    if len(parts) > MAX_SOURCES:
+        raise ValueError(
+            f"data spec of {len(parts)} {separator!r}-separated sources, more than "
+            f"{MAX_SOURCES}: put the files in one folder and give the folder"
+        )
     sources, start = [], 0
     while start < len(parts):
+        longest = min(len(parts), start + 1 + MAX_SEPARATORS_IN_NAME)
         end = next(
             (
                 end
-                for end in range(len(parts), start + 1, -1)
-                if Path(separator.join(parts[start:end]).strip()).expanduser().exists()
+                for end in range(longest, start + 1, -1)
+                if os.path.exists(os.path.expanduser(separator.join(parts[start:end]).strip()))
             ),
             start + 1,
-        )
+        )  # os.path.exists: False for a name too long (Path.exists raised ENAMETOOLONG)
         sources.append(separator.join(parts[start:end]).strip())
         start = end
     return sources
@@ -243,7 +256,16 @@ def parse_jsonl_line(path: Path, number: int, line: bytes, offset: int) -> str:
         ) from None
     if not isinstance(value, str):
         raise ValueError(f'{shown(path)}:{number}: "text" is not a string')
+    if b"\\u" in line and (surrogate := _LONE_SURROGATE.search(value)):
+        raise ValueError(
+            f'{shown(path)}:{number}: "text" holds the escape \\u{ord(surrogate[0]):04x}, half '
+            "of a surrogate pair without its other half: not Unicode text"
+        )
     return value
+
+
+#: A UTF-16 surrogate left alone in a decoded string (JSON's ``"\ud83d"``): no character.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def jsonl_text(path: Path, offset: int) -> str:
