@@ -149,6 +149,18 @@ def test_a_yaml_alias_bomb_is_refused_before_it_expands(capsys, tmp_path, use):
         ("cycle.yaml", "aggregator_options: &o {x: *o}\n", "nested more than 32 levels deep"),
         ("twice.yaml", "workers: 2\nworkers: 4\n", "line 2: key 'workers' appears twice"),
         ("key.yaml", "1: 2\n", "line 1: key 1 is not a string (every mapping key must be)"),
+        # YAML 1.1's integers that 1.2 reads otherwise (before: workers 8 and seed 90, silently)
+        (
+            "octal.yaml",
+            "workers: 010\n",
+            "line 1: '010' is 8 in YAML 1.1 and 10 in YAML 1.2; write the number in decimal",
+        ),
+        (
+            "base60.yaml",
+            "workers: 2\nseed: 1:30\n",
+            "line 2: '1:30' is 90 in YAML 1.1 and a "
+            "string in YAML 1.2; write the number in decimal",
+        ),
     ],
 )
 def test_yaml_nesting_repeated_and_odd_keys_are_refused(capsys, tmp_path, name, text, message):
@@ -163,6 +175,20 @@ def test_yaml_nesting_repeated_and_odd_keys_are_refused(capsys, tmp_path, name, 
 def test_a_key_given_twice_in_json_or_toml_is_refused(capsys, tmp_path, name, text):
     config, line = refused_config(capsys, tmp_path, name, text)
     assert f"config file {config} cannot be parsed: " in line
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("both.toml", "outer_lr = 0.5\nouter-lr = 0.9\n"),
+        ("both.yaml", "outer_lr: 0.5\nouter-lr: 0.9\n"),
+        ("both.json", '{"outer_lr": 0.5, "outer-lr": 0.9}'),
+    ],
+)
+def test_one_option_under_two_spellings_is_refused(capsys, tmp_path, name, text):
+    """Before, ``outer_lr`` and ``outer-lr`` in one file both read, the last winning (0.9)."""
+    config, line = refused_config(capsys, tmp_path, name, text)
+    assert line == f"error: {config}: outer_lr and outer-lr are one option, outer_lr; give it once"
 
 
 def test_yaml_1_2_floats_are_numbers(tmp_path):

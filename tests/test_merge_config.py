@@ -449,6 +449,19 @@ def test_a_key_given_twice_is_refused(tmp_path, capsys, text, key, line_number):
     assert line == f"error: {config}: line {line_number}: key {key!r} appears twice"
 
 
+def test_an_integer_yaml_1_1_and_1_2_read_differently_is_refused(tmp_path, capsys):
+    """``seed: 010`` was DARE's seed 8 (YAML 1.1's octal), where YAML 1.2 reads 10."""
+    text = (
+        "merge_method: dare_ties\nmodels:\n  - model: a\n    parameters: {density: 0.5}\n"
+        "parameters:\n  seed: 010\n"
+    )
+    config, line = config_error(capsys, tmp_path, text)
+    assert line == (
+        f"error: {config}: line 6: '010' is 8 in YAML 1.1 and 10 in YAML 1.2; write the number "
+        "in decimal"
+    )
+
+
 def test_a_merge_key_may_be_overridden(family, tmp_path):
     """YAML's ``<<`` merge is not a key given twice: the mapping's own key wins."""
     config = tmp_path / "merge.yml"

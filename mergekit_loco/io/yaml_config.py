@@ -3,7 +3,8 @@
 A file is read as hostile by :func:`load_yaml`: nesting at most ``MAX_CONFIG_DEPTH`` deep, at
 most ``MAX_CONFIG_NODES`` values once YAML aliases are expanded (so an alias bomb is refused,
 not expanded), string keys only, no key given twice, and YAML 1.2's floats (``1e-3``) read as
-numbers. :func:`check_size` bounds a tree read from any format; messages show values from a
+numbers; an integer that YAML 1.1 and 1.2 read differently (``010``) is refused.
+:func:`check_size` bounds a tree read from any format; messages show values from a
 file through :func:`bounded`, which never expands them.
 """
 
@@ -24,6 +25,10 @@ MAX_CONFIG_NODES = 100_000
 MAX_CONFIG_DEPTH = 32
 #: YAML 1.2's floats with an exponent (``1e-3``, ``1E5``, ``.5e1``), strings to YAML 1.1
 YAML12_FLOAT = re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$")
+#: YAML 1.2's integers (decimal, hexadecimal), which YAML 1.1 reads alike; 1.1's others
+#: (``010`` octal, ``1:30`` base 60, ``1_000``, ``0b11``) mean something else in 1.2
+YAML12_INT = re.compile(r"^[-+]?(?:0|[1-9][0-9]*|0x[0-9a-fA-F]+)$")
+INT_TAG = "tag:yaml.org,2002:int"
 STR_TAG = "tag:yaml.org,2002:str"
 MERGE_TAG = "tag:yaml.org,2002:merge"
 #: how messages show a value from the file: one level deep, a few items, short strings
@@ -93,8 +98,24 @@ class ConfigLoader(yaml.SafeLoader):
         if self.merged > MAX_CONFIG_NODES:
             raise ConfigFileError(too_big(self.path))
 
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        """An integer as YAML 1.1 and 1.2 both read it; one they read differently (``010``: 8
+        in 1.1, 10 in 1.2; ``1:30``: 90 in 1.1, a string in 1.2) is refused, naming the line."""
+        value = super().construct_yaml_int(node)
+        if YAML12_INT.match(node.value):
+            return value
+        decimal = int(node.value) if re.fullmatch(r"[-+]?[0-9]+", node.value) else None
+        if decimal != value:
+            new = "a string" if decimal is None else bounded(decimal)
+            raise ConfigFileError(
+                f"{self.path}: line {node.start_mark.line + 1}: {bounded(node.value)} is "
+                f"{bounded(value)} in YAML 1.1 and {new} in YAML 1.2; write the number in decimal"
+            )
+        return value
+
 
 ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:float", YAML12_FLOAT, list("-+.0123456789"))
+ConfigLoader.add_constructor(INT_TAG, ConfigLoader.construct_yaml_int)
 
 
 def too_big(path: Path | str) -> str:

@@ -272,13 +272,18 @@ FIELD_TYPES = {
 def coerce_values(values: Mapping[str, Any], source: str = "config") -> dict[str, Any]:
     """Check names and convert values (``outer-lr`` -> ``outer_lr``, ints to floats, lists to
     tuples); an unknown key or a value of the wrong type raises ``ValueError`` naming the option
-    and ``source``."""
-    coerced = {}
+    and ``source``, as do two spellings of one option (``outer-lr`` and ``outer_lr``)."""
+    coerced, spelled = {}, {}
     for raw_key, value in values.items():
         key = raw_key.replace("-", "_") if isinstance(raw_key, str) else raw_key
         if key not in FIELD_TYPES:
             where = aggregator_option_advice(key, value, source)
             raise ValueError(f"{source}: unknown option {bounded(raw_key)}{where}")
+        if key in spelled:
+            raise ValueError(
+                f"{source}: {spelled[key]} and {raw_key} are one option, {key}; give it once"
+            )
+        spelled[key] = raw_key
         coerced[key] = _coerce(key, FIELD_TYPES[key], value, source)
     return coerced
 
