@@ -47,7 +47,7 @@ import yaml
 
 from mergekit_loco.io.files import read_limited
 from mergekit_loco.io.yaml_config import MAX_CONFIG_BYTES, ConfigFileError, bounded, load_yaml
-from mergekit_loco.merge_checks import same_checkpoint
+from mergekit_loco.merge_checks import Checkpoints
 from mergekit_loco.methods import METHODS, get_method
 from mergekit_loco.methods.mean import weight_sum
 
@@ -182,16 +182,18 @@ def model_entries(path: Path, config: dict) -> list[tuple[Path, dict]]:
 
 
 def check_listed_once(path: Path, entries: list) -> None:
-    """Each model listed once (by any path to it: :func:`same_checkpoint`); to weight a model
+    """Each model listed once (by any path to it: :class:`Checkpoints`); to weight a model
     more, its ``weight`` says so."""
+    seen = Checkpoints()
     for index, (model, _) in enumerate(entries):
-        for earlier, (other, _) in enumerate(entries[:index]):
-            if same_checkpoint(model, other):
-                also = f"models[{earlier + 1}]" + ("" if model == other else f" {other}")
-                raise MergeConfigError(
-                    f"{path}: models[{index + 1}] {model} is listed twice (also as "
-                    f"{also}); list each model once (a larger 'weight' weights it more)"
-                )
+        other = seen.find(model)
+        if other is not None:
+            also = f"models[{seen.order[other] + 1}]" + ("" if model == other else f" {other}")
+            raise MergeConfigError(
+                f"{path}: models[{index + 1}] {model} is listed twice (also as "
+                f"{also}); list each model once (a larger 'weight' weights it more)"
+            )
+        seen.add(model)
 
 
 def per_model(path: Path, name: str, entries: list, shared: dict, default: object) -> list[float]:
@@ -365,11 +367,9 @@ def load_merge_config(path: str | Path) -> ConfiguredMerge:
     entries = model_entries(path, config)
     check_listed_once(path, entries)
     if base is not None and method != "linear":
-        entries = [
-            (model, parameters)
-            for model, parameters in entries
-            if not same_checkpoint(model, base, second_is_base=True)
-        ]
+        bases = Checkpoints()
+        bases.add(base, as_base=True)
+        entries = [entry for entry in entries if bases.find(entry[0]) is None]
         if not entries:
             raise MergeConfigError(
                 f"{path}: the only model listed is base_model ({base}), which is "
