@@ -7,6 +7,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -392,6 +393,16 @@ def test_merge_mode_checks_its_inputs(tmp_path):
         merges.compare_merges("b", ["a", "c"], ["x", "y"], ["avg"], [1.0], tmp_path)
     with pytest.raises(ValueError, match="--scales must be positive"):
         merges.compare_merges("b", ["a", "c"], ["x", "y"], ["ta"], [0.0], tmp_path)
+    # before: NaN, inf and 1e39 passed, a folder was made, then "--scale: nan is not finite"
+    for scale in (math.nan, math.inf, 1e39):
+        with pytest.raises(ValueError, match="--scales must be positive finite numbers"):
+            merges.compare_merges("b", ["a", "c"], ["x", "y"], ["ta"], [0.5, scale], tmp_path)
+    # before: both merged into ta-0.5, the second over the first, and one was never scored
+    with pytest.raises(ValueError, match=re.escape(
+        "--scales: 0.5 and 0.5000001 would both name the merge ta-0.5 (scales are named to 6 "
+        "significant digits)")):  # fmt: skip
+        merges.compare_merges("b", ["a", "c"], ["x", "y"], ["ta"], [0.5, 0.5000001], tmp_path)
+    assert list(tmp_path.iterdir()) == []
 
 
 # -- through the CLI ------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
 from rich.console import Console
 
 from mergekit_loco import evaluate
@@ -89,8 +90,18 @@ def compare_merges(
         raise ValueError(f"--data: each fine-tune needs its own domain, got {', '.join(data)}")
     for method in methods:
         get_method(method)
-    if not scales or any(scale <= 0 for scale in scales):
-        raise ValueError(f"--scales must be positive numbers, got {list(scales)}")
+    largest = torch.finfo(torch.float32).max
+    if not scales or not all(0 < scale <= largest for scale in scales):  # NaN fails too
+        raise ValueError(f"--scales must be positive finite numbers, got {list(scales)}")
+    named = {}
+    for scale in scales:
+        other = named.setdefault(f"{scale:g}", scale)
+        if other != scale:
+            raise ValueError(
+                f"--scales: {other!r} and {scale!r} would both name the merge "
+                f"{merge_label(methods[0], scale)} (scales are named to 6 significant digits); "
+                "give scales that differ there"
+            )
     if eval_tokens < 4 * seq_len:
         raise ValueError(f"--eval-tokens {eval_tokens} is too few for two halves of windows")
     for option, path in [("--base", base)] + [("--finetuned", path) for path in finetuned]:
