@@ -168,7 +168,8 @@ def model_entries(path: Path, config: dict) -> list[tuple[Path, dict]]:
                 f"{path}: models[{index}] {bounded(entry['model'])}: mergekit's MODEL+LORA syntax "
                 "is not supported; merge LoRA adapters with `mloco merge ADAPTER ... --base BASE`"
             )
-        parameters = entry.get("parameters") or {}
+        parameters = entry.get("parameters")
+        parameters = {} if parameters is None else parameters  # [], 0, false: no mapping
         where = f"models[{index}] ({entry['model']})"
         if not isinstance(parameters, dict):
             raise MergeConfigError(f"{path}: {where}: 'parameters' must be a mapping")
@@ -375,7 +376,8 @@ def load_merge_config(path: str | Path) -> ConfiguredMerge:
                 f"{path}: the only model listed is base_model ({base}), which is "
                 "skipped as mergekit skips it; list the fine-tuned models to merge"
             )
-    shared = config.get("parameters") or {}
+    shared = config.get("parameters")
+    shared = {} if shared is None else shared
     if not isinstance(shared, dict):
         raise MergeConfigError(f"{path}: 'parameters' must be a mapping")
     shared = {key: scalar(path, "top-level", key, value) for key, value in shared.items()}

@@ -499,6 +499,11 @@ def test_compare_command_errors_are_one_line(capsys):
             ["--outer-momentum-grid", "0.9,1"],
             "--outer-momentum-grid '0.9,1': momentum must lie in (0, 1)",
         ),
+        # before: NaN passed, and the error named the config field outer_lr
+        (["--outer-lr-grid", "1,nan"], "--outer-lr-grid '1,nan': give positive finite numbers"),
+        (["--outer-lr-grid", "inf"], "--outer-lr-grid 'inf': give positive finite numbers"),
+        # before: "Python int too large to convert to C int", after -o was made
+        (["--jobs", str(2**31)], f"--jobs must be in [1, 1024], got {2**31}"),
     ):
         with pytest.raises(SystemExit) as exit_info:
             cli.main(["compare", "-o", "unused", *args])

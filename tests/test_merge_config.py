@@ -269,6 +269,10 @@ def test_unsupported_configs_are_one_line_errors(
     ("edit", "fragments"),
     [
         (("parameters: {'weight': 1}", "parameters: [1]"), ["'parameters' must be a mapping"]),
+        # before: [], 0 and false were taken for no parameters
+        (("parameters: {'weight': 1}", "parameters: []"), ["'parameters' must be a mapping"]),
+        (("parameters: {'density': 0.5}", "parameters: 0"), ["'parameters' must be a mapping"]),
+        (("parameters: {'density': 0.5}", "parameters: false"), ["'parameters' must be a mapping"]),
         (("dtype: float64", "dtype: [float32]"), ["dtype [", "is not one of"]),
         (("merge_method: ties", "merge_method: [ta]"), ["merge_method ['ta']", "not supported"]),
         (("base_model: ", "base_model: {model: x}\n#"), ["base_model must be a path"]),
@@ -324,13 +328,22 @@ def test_mergekit_keys_mloco_lacks_are_named(tmp_path):
         load_merge_config(config)
 
 
-def test_config_and_method_options_together_are_an_error(family, tmp_path, capsys):
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--method", "ta"],
+        # at their defaults too (before: accepted, while the file's values were used)
+        ["--scale", "1"],
+        ["--compute-dtype", "float32"],
+        ["--dtype", "float32"],
+    ],
+)
+def test_config_and_method_options_together_are_an_error(family, tmp_path, capsys, flags):
     config = write_config(tmp_path, family, "task_arithmetic", [("ft1", {"weight": 1})])
-    code, _, err = run_main(
-        capsys, "merge", "--config", config, "--method", "ta", "-o", tmp_path / "out"
-    )
+    code, _, err = run_main(capsys, "merge", "--config", config, *flags, "-o", tmp_path / "out")
     assert code == 2
-    assert_one_line_error(err, "--method cannot be given with a config file")
+    assert_one_line_error(err, f"{flags[0]} cannot be given with a config file")
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_docs_yaml_block_is_the_example_file():

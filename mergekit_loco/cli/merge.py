@@ -77,11 +77,16 @@ NOT_FOR_LORA_OUTPUT = {
 }
 
 
+def given_on_command_line(ctx: typer.Context, name: str) -> bool:
+    """Whether option ``name`` was given, even at its default value."""
+    source = ctx.get_parameter_source(name)  # typer's own click: compared by name
+    return source is not None and source.name != "DEFAULT"
+
+
 def check_lora_options(ctx: typer.Context) -> None:
     """Refuse, naming it, an option given with ``--lora-output`` that it cannot honour."""
     for name, reason in NOT_FOR_LORA_OUTPUT.items():
-        source = ctx.get_parameter_source(name)  # typer's own click: compared by name
-        if source is not None and source.name != "DEFAULT":
+        if given_on_command_line(ctx, name):
             flag = f"--{name.replace('_', '-')}"
             raise ValueError(f"{flag} cannot be given with --lora-output: {reason}")
 
@@ -123,10 +128,13 @@ def given_params(options: dict) -> dict:
     return {key: value for key, value in options.items() if key not in MERGE_KEYS}
 
 
-def from_config(config: Path, models, base, method, options: dict, lora_output: bool = False):
+def from_config(
+    ctx: typer.Context, config: Path, models, base, method, options: dict, lora_output: bool
+):
     """(models, base, method, merge options) from a ``--config`` YAML file; the file decides
-    what it describes, so MODEL, --base, --method and merge options beside it are errors. A
-    ``lambda`` other than 1 needs ``base_model``, except for LoRA adapters (already deltas)."""
+    what it describes, so MODEL, --base, --method and merge options beside it are errors (even
+    at their defaults: ``--scale 1`` beside a file's ``lambda: 0.3``). A ``lambda`` other than
+    1 needs ``base_model``, except for LoRA adapters (already deltas)."""
     from mergekit_loco.merge_config import load_merge_config
 
     clashes = [
@@ -135,9 +143,10 @@ def from_config(config: Path, models, base, method, options: dict, lora_output: 
             ("MODEL", bool(models)),
             ("--base", base is not None),
             ("--method", method is not None),
-            ("--scale", options["scale"] != 1.0),
-            ("--dtype", options["dtype"] is not None),
-            ("--compute-dtype", str(options["compute_dtype"]) != "torch.float32"),
+            *[
+                (f"--{name.replace('_', '-')}", given_on_command_line(ctx, name))
+                for name in ("scale", "dtype", "compute_dtype")
+            ],
             *[(f"--{name.replace('_', '-')}", True) for name in given_params(options)],
         ]
         if given
@@ -306,7 +315,7 @@ def merge(
     }
     if config is not None:
         models, base, method, options = from_config(
-            config, models, base, method, options, lora_output
+            ctx, config, models, base, method, options, lora_output
         )
     if method not in METHODS:  # before a default -o is named after it
         raise unknown_method(method)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import math
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -59,6 +60,9 @@ from mergekit_loco.train.model import check_seq_len, model_config
 from mergekit_loco.train.run_folder import run_inputs
 from mergekit_loco.train.signals import TrainingInterrupted
 from mergekit_loco.train.sources import BUILTIN_SOURCES
+
+#: The most cells trained at once (one process each; a huge count overflowed the pool's queue).
+MAX_JOBS = 1024
 
 
 # -- planning ---------------------------------------------------------------------------------
@@ -109,8 +113,8 @@ class Grid:
                 numbers = tuple(float(v) for v in values.split(",") if v.strip())
             except ValueError:
                 raise ValueError(f"{option} {spec!r}: expected numbers like {example}") from None
-            if not numbers or any(v <= 0 for v in numbers):
-                raise ValueError(f"{option} {spec!r}: give positive numbers")
+            if not numbers or not all(0 < v < math.inf for v in numbers):  # NaN fails too
+                raise ValueError(f"{option} {spec!r}: give positive finite numbers")
             if not relative and any(v >= 1 for v in numbers):
                 raise ValueError(f"{option} {spec!r}: momentum must lie in (0, 1)")
             check_unique(f"{option} {spec!r}", numbers)
@@ -346,8 +350,8 @@ def run_sweep(
 ) -> list[SummaryRow]:
     """Run every unfinished cell of ``sweep`` into ``out/runs/`` (:func:`run_cells`), then
     write the report; ``out`` is locked meanwhile (a second sweep there is refused)."""
-    if jobs < 1:
-        raise ValueError(f"--jobs must be >= 1, got {jobs}")
+    if not 1 <= jobs <= MAX_JOBS:
+        raise ValueError(f"--jobs must be in [1, {MAX_JOBS}], got {jobs}")
     runs_dir = Path(out) / run_layout.SWEEP_RUNS
     cells = plan(sweep)
     configs = [cell_config(sweep, cell, runs_dir / cell.name) for cell in cells]
