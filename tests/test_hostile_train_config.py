@@ -258,6 +258,9 @@ def test_threads_are_bounded(capsys, tmp_path):
         ('{"vocab_size": 1e12}', "vocab_size must be at most 2**20, got 1000000000000"),
         ('{"init": ""}', "init: an empty path (it would mean the current folder)"),
         ('{"tokenizer": " "}', "tokenizer: an empty path (it would mean the current folder)"),
+        # before: "embedded null byte", naming no option
+        ('{"data": "a\\u0000b"}', "data: 'a\\x00b' holds a NUL character, which no path can"),
+        ('{"init": "a\\u0000b"}', "init: 'a\\x00b' holds a NUL character, which no path can"),
     ],
 )
 def test_config_file_values_are_one_line_naming_the_option(capsys, tmp_path, text, expected):
@@ -267,6 +270,17 @@ def test_config_file_values_are_one_line_naming_the_option(capsys, tmp_path, tex
     code, err = train(capsys, tmp_path, f"--config={config}", without=tuple(json.loads(text)))
     assert assert_refused(code, err) == "error: " + expected.replace("CONFIG", str(config))
     assert not (tmp_path / "out").exists()
+
+
+def test_an_out_folder_with_a_nul_character_is_named(capsys, tmp_path):
+    """``out`` from a config file (no --out flag: NUL cannot be in an argument); before:
+    ``error: embedded null byte``."""
+    config = write(tmp_path, "run.json", '{"out": "a\\u0000b"}')
+    code, err, _ = run_cli(capsys, "train", *TRAIN, f"--config={config}")
+    assert (
+        assert_refused(code, err)
+        == "error: out: 'a\\x00b' holds a NUL character, which no path can"
+    )
 
 
 @pytest.mark.parametrize("aggregator", ["ties", "mean"])

@@ -27,12 +27,22 @@ def _check_at_least(minimum: int, **values: int) -> None:
             raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
-def check_not_empty_path(**paths: str | None) -> None:
+def check_path_text(**paths: str | None) -> None:
     """ValueError naming the option whose path is an empty string (an unset variable in a
-    config file): it would mean the current folder."""
+    config file: it would mean the current folder) or holds a NUL character (no file name
+    does)."""
     for option, path in paths.items():
         if isinstance(path, str) and not path.strip():
             raise ValueError(f"{option}: an empty path (it would mean the current folder)")
+    check_no_nul(**paths)
+
+
+def check_no_nul(**texts: str | None) -> None:
+    """ValueError naming the option whose path or data spec holds a NUL character (before:
+    ``embedded null byte``, naming nothing)."""
+    for option, text in texts.items():
+        if isinstance(text, str) and "\0" in text:
+            raise ValueError(f"{option}: {text!r} holds a NUL character, which no path can")
 
 
 @dataclass(frozen=True)
@@ -44,7 +54,7 @@ class ModelConfig:
     init: str | None = None
 
     def __post_init__(self):
-        check_not_empty_path(init=self.init)
+        check_path_text(model=self.name, init=self.init)
 
 
 @dataclass(frozen=True)
@@ -66,7 +76,8 @@ class DataConfig:
     val_seed: int | None = None
 
     def __post_init__(self):
-        check_not_empty_path(tokenizer=self.tokenizer)
+        check_path_text(tokenizer=self.tokenizer)
+        check_no_nul(data=self.source)
         _check_at_least(1, vocab_size=self.vocab_size, global_batch=self.global_batch)
         _check_at_least(2, seq_len=self.seq_len)
         if self.val_tokens < self.seq_len:
@@ -183,7 +194,7 @@ class RunConfig:
     quiet: bool = False
 
     def __post_init__(self):
-        check_not_empty_path(out=self.out)
+        check_path_text(out=self.out)
         check_choice("mode", self.mode, MODES)
         check_choice("device", self.device, DEVICES)
         _check_at_least(1, workers=self.workers)
