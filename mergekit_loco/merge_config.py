@@ -393,8 +393,9 @@ def load_merge_config(path: str | Path) -> ConfiguredMerge:
         raise
     except ValueError as error:  # a method parameter out of range or of the wrong type
         raise MergeConfigError(f"{path}: {error}") from None
-    compute = parse_dtype(path, "dtype", config["dtype"]) if "dtype" in config else torch.float32
-    out = config.get("out_dtype", config.get("dtype"))
+    dtype, out = config.get("dtype"), config.get("out_dtype")  # null: not given, as in mergekit
+    compute = parse_dtype(path, "dtype", dtype) if dtype is not None else torch.float32
+    out = dtype if out is None else out
     return ConfiguredMerge(
         models=[model for model, _ in entries],
         base=base,

@@ -230,6 +230,25 @@ def test_own_method_names_take_their_parameters(family, tmp_path, capsys):
         np.testing.assert_allclose(merged[name], theta + 0.5 * summed, rtol=0, atol=1e-10)
 
 
+@pytest.mark.parametrize(
+    ("keys", "compute", "out"),
+    [
+        ("dtype: bfloat16\nout_dtype: null\n", torch.bfloat16, torch.bfloat16),  # before: None
+        ("dtype: null\nout_dtype: float16\n", torch.float32, torch.float16),  # before: refused
+        ("dtype: null\n", torch.float32, None),
+        ("", torch.float32, None),
+    ],
+)
+def test_a_null_dtype_counts_as_not_given(family, tmp_path, keys, compute, out):
+    config = tmp_path / "merge.yml"
+    config.write_text(
+        f"merge_method: task_arithmetic\nbase_model: {family['base']}\n"
+        f"models:\n  - model: {family['ft1']}\n    parameters: {{weight: 1}}\n{keys}"
+    )
+    merge = load_merge_config(config)
+    assert (merge.compute_dtype, merge.dtype) == (compute, out)
+
+
 def test_config_keeps_out_dtype_and_skips_the_base_listed_among_models(family, tmp_path):
     config = tmp_path / "merge.yml"
     config.write_text(
