@@ -232,6 +232,19 @@ def test_a_long_list_of_files_is_split_and_a_huge_one_refused(tmp_path, monkeypa
         load_documents(",".join(["chapter-000.txt"] * (MAX_SOURCES + 1)))
 
 
+def test_a_data_folder_without_documents_says_which_case(tmp_path):
+    """A folder with no text file, and one whose only file is a .jsonl of no lines (before:
+    "holds no ... files", though it held one)."""
+    (tmp_path / "none").mkdir()
+    (tmp_path / "none" / "notes.pdf").write_bytes(b"%PDF")
+    with pytest.raises(ValueError, match=r"holds no \.txt/"):
+        load_documents(str(tmp_path / "none"))
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "rows.jsonl").write_text("")
+    with pytest.raises(ValueError, match=r"holds only empty \.txt/\.md/\.rst/\.py/\.jsonl files"):
+        load_documents(str(tmp_path / "empty"))
+
+
 @pytest.mark.parametrize("spec", ["no/such/place", "stdlib,,pydoc", "books"])
 def test_bad_spec_names_the_source(spec, tmp_path):
     with pytest.raises(ValueError, match=re.escape(repr(spec))):

@@ -126,7 +126,8 @@ def _source_documents(source: str) -> list[Sequence[Document]]:
             _file_documents(file, f"{root}/{file.relative_to(path).as_posix()}") for file in files
         )
         if not any(len(part) for part in parts):
-            raise ValueError(f"data folder {source!r} holds no {'/'.join(TEXT_SUFFIXES)} files")
+            what = "only empty" if files else "no"  # a .jsonl of no lines holds no document
+            raise ValueError(f"data folder {source!r} holds {what} {'/'.join(TEXT_SUFFIXES)} files")
         return parts
     if path.exists():  # a FIFO or device is refused by name here, not read
         return runs_of_documents([_file_documents(path, root)])
