@@ -314,6 +314,36 @@ def test_outer_params_must_map_names_to_tensors():
         ml.OuterOptimizer({"w": [0.0, 0.0]}, lr=0.7)
 
 
+def test_outer_params_that_share_memory_are_refused():
+    """Tied embeddings under two names (a state_dict lists both; before: the step was applied
+    twice, 0.2 for a delta of 0.1), one tensor twice, overlapping views of one buffer: refused
+    naming both; disjoint views of one buffer (a flat parameter buffer) step once each."""
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(5, 3)
+            self.head = torch.nn.Linear(3, 5, bias=False)
+            self.head.weight = self.embed.weight
+
+    flat = torch.zeros(10)
+    shared = torch.zeros(2)
+    for params, names in [
+        (Tied().state_dict(), "'embed.weight' and 'head.weight'"),
+        ({"a": shared, "b": shared}, "'a' and 'b'"),
+        ({"low": flat[:6], "high": flat[4:]}, "'low' and 'high'"),  # in memory order
+        ({"rows": flat.view(2, 5), "column": flat.view(2, 5)[:, 4]}, "'rows' and 'column'"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(f"params: {names} share memory")):
+            ml.OuterOptimizer(params, lr=1.0)
+    params = {"low": flat[:5], "high": flat[5:], "odd": torch.zeros(4)[1::2]}
+    outer = ml.OuterOptimizer(params, lr=1.0)
+    outer.step([ml.TaskVector({name: torch.ones_like(t) for name, t in params.items()})])
+    assert torch.equal(flat, torch.ones(10)) and params["odd"].tolist() == [1.0, 1.0]
+    with pytest.raises(ValueError, match="params is empty"):
+        ml.OuterOptimizer({}, lr=1.0)
+
+
 def test_valid_outer_options_still_step():
     params = {"w": torch.zeros(2, dtype=torch.float64)}
     outer = ml.OuterOptimizer(params, lr=0.5, momentum=0.0)

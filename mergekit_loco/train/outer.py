@@ -5,6 +5,7 @@ model). Both run the same two functions: the aggregation and the pseudo-gradient
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import numbers
 from collections.abc import Iterable, Mapping
@@ -26,12 +27,15 @@ from mergekit_loco.train.diloco import (
 
 def check_params(params: Mapping[str, torch.Tensor]) -> None:
     """``params`` maps names to floating tensors (a list of tensors has no names to match
-    deltas by; an integer tensor takes no gradient step)."""
+    deltas by; an integer tensor takes no gradient step), at least one, no two sharing memory
+    (tied weights under two names would take the step twice)."""
     if not isinstance(params, Mapping):
         raise TypeError(
             "OuterOptimizer params must be a mapping of name -> tensor (e.g. "
             f"dict(model.named_parameters())), not a {type(params).__name__}"
         )
+    if not params:
+        raise ValueError("OuterOptimizer params is empty: give the tensors to step")
     for name, tensor in params.items():
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(
@@ -42,6 +46,33 @@ def check_params(params: Mapping[str, torch.Tensor]) -> None:
                 f"OuterOptimizer params: {name!r} is {tensor.dtype}; only floating tensors take "
                 "an outer step (leave integer buffers out of params)"
             )
+    check_no_shared_memory(params)
+
+
+def check_no_shared_memory(params: Mapping[str, torch.Tensor]) -> None:
+    """ValueError naming two entries whose bytes overlap (one tensor under two names, as a
+    state_dict lists tied embeddings, or overlapping views of one buffer)."""
+    spans = sorted(
+        (tensor.untyped_storage().data_ptr(), *byte_span(tensor), name)
+        for name, tensor in params.items()
+        if tensor.numel()
+    )
+    for (storage, _, end, name), (other, start, _, second) in itertools.pairwise(spans):
+        if storage == other and start < end:
+            raise ValueError(
+                f"OuterOptimizer params: {name!r} and {second!r} share memory (tied weights?), "
+                "so the step would be applied to it twice; give each parameter once, e.g. "
+                "dict(model.named_parameters())"
+            )
+
+
+def byte_span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``[start, end)`` of its storage that ``tensor`` spans (its lowest and highest
+    element; a strided view may skip bytes between)."""
+    start = tensor.storage_offset()
+    shape, strides = tensor.shape, tensor.stride()
+    last = start + sum((size - 1) * stride for size, stride in zip(shape, strides, strict=True))
+    return start * tensor.element_size(), (last + 1) * tensor.element_size()
 
 
 def check_rate(option: str, value: float, high: float | None) -> None:
