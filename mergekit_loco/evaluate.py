@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+import numbers
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -200,8 +201,14 @@ def eval_progress(enabled: bool) -> Progress:
 def check_request(
     models: Sequence[str | Path], datasets: Sequence[str], tokens: int, seq_len: int, val_sets: int
 ) -> None:
-    """Refuse an evaluation that names no model or no dataset, or tokens, windows or sets too
-    few."""
+    """Refuse an evaluation that names no model or no dataset (or one path or name where a
+    list belongs), or tokens, windows or sets too few."""
+    for name, given in (("models", models), ("datasets", datasets)):
+        if isinstance(given, str | Path):
+            raise TypeError(f"{name}: a list ([{str(given)!r}, ...]), not one {name[:-1]}")
+    for name, count in (("tokens", tokens), ("seq_len", seq_len), ("val_sets", val_sets)):
+        if not isinstance(count, numbers.Integral) or isinstance(count, bool):
+            raise TypeError(f"{name} must be an int, not {count!r}")
     if not models or not datasets:
         raise ValueError("give at least one model and one dataset (--data)")
     if tokens < 1:
@@ -230,6 +237,12 @@ def evaluate_models(
     (:func:`val_set_spreads`) is the noise of a ``tokens``-token evaluation. ``progress``: a
     bar per evaluation on a terminal (:func:`eval_progress`)."""
     check_request(models, datasets, tokens, seq_len, val_sets)
+    if (
+        isinstance(batch_size, bool)
+        or not isinstance(batch_size, numbers.Integral)
+        or batch_size < 1
+    ):
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
     device = resolve_device(device)
     results = []
     with eval_progress(progress) as bars:

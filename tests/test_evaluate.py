@@ -158,6 +158,32 @@ def test_val_sets_are_disjoint_slices_and_their_spread(model_folder, corpus, cap
     assert capsys.readouterr().err == "error: --val-sets must be >= 1, got 0\n"
 
 
+def test_evaluate_models_names_an_argument_of_the_wrong_kind(model_folder, corpus):
+    """Before: one path was read character by character (``/: no model.safetensors``),
+    ``batch_size=0`` ended in ``range() arg 3 must not be zero`` and ``tokens=True`` in a
+    torch TypeError."""
+    cases = [
+        ((str(model_folder), [corpus]), {}, TypeError, "models: a list ("),
+        (([model_folder], corpus), {}, TypeError, "datasets: a list ("),
+        (([model_folder], [corpus]), {"tokens": True}, TypeError, "tokens must be an int"),
+        (
+            ([model_folder], [corpus]),
+            {"batch_size": 0},
+            ValueError,
+            "batch_size must be an int >= 1",
+        ),
+        (
+            ([model_folder], [corpus]),
+            {"batch_size": -1},
+            ValueError,
+            "batch_size must be an int >= 1",
+        ),
+    ]
+    for args, options, error, message in cases:
+        with pytest.raises(error, match=re.escape(message)):
+            evaluate_models(*args, **{"tokens": TOKENS, "seq_len": SEQ_LEN, **options})
+
+
 def test_plus_joins_sources_into_the_one_dataset_training_reads(model_folder, corpus, capsys):
     """``--data a,b`` is two datasets; ``--data a+b`` is the corpus ``train --data a,b`` holds
     out from, so its loss is that of ``held_out_tokens("a,b")``, computed directly."""

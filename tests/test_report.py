@@ -232,6 +232,19 @@ def test_paired_interval_by_hand():
     assert paired_interval({0: 1.0}, {1: 1.0}).n == 0
 
 
+@pytest.mark.parametrize("confidence", [95, 1.0, 0, -0.5, math.nan, True, "0.95"])
+def test_a_confidence_that_is_no_probability_is_refused(confidence):
+    """Before, 95 (a percentage) gave a NaN interval and ``ordering`` said "can't tell" of a
+    clear gap; 0 ordered noise."""
+    a, b = {0: 3.00, 1: 3.10, 2: 3.05}, {0: 3.20, 1: 3.30, 2: 3.22}
+    for call in (
+        lambda: paired_interval(a, b, confidence),
+        lambda: ordering({"a": a, "b": b}, confidence),
+    ):
+        with pytest.raises(ValueError, match=r"confidence must lie in \(0, 1\) \(0.95 for 95%\)"):
+            call()
+
+
 def test_ordering_states_only_separations():
     # means a 2.0, b 3.0, c 3.0167. a - b per seed: -1.0, -1.1, -0.9 (mean -1, sd 0.1: the
     # interval -1 +- 0.25 excludes 0); b - c: -0.1, +0.2, -0.15 (mean -0.017, sd 0.19: holds 0)

@@ -9,6 +9,7 @@ ordering is stated only where that interval excludes 0.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -87,9 +88,11 @@ class PairedInterval:
 def paired_interval(
     a: Mapping[int, float], b: Mapping[int, float], confidence: float = CONFIDENCE
 ) -> PairedInterval:
-    """The t-interval of ``mean_s(a_s - b_s)`` over the seeds both ran."""
+    """The t-interval of ``mean_s(a_s - b_s)`` over the seeds both ran, at ``confidence``, a
+    probability in (0, 1) (0.95, not 95)."""
     from scipy.stats import t as student_t
 
+    check_confidence(confidence)
     seeds = sorted(set(a) & set(b))
     if not seeds:
         return PairedInterval(math.nan, math.nan, math.nan, math.nan, 0, confidence)
@@ -103,6 +106,13 @@ def paired_interval(
                           differences.mean + half, differences.n, confidence)  # fmt: skip
 
 
+def check_confidence(confidence: float) -> None:
+    """ValueError unless ``confidence`` is a real number in (0, 1)."""
+    real = isinstance(confidence, numbers.Real) and not isinstance(confidence, bool)
+    if not (real and 0 < confidence < 1):
+        raise ValueError(f"confidence must lie in (0, 1) (0.95 for 95%), got {confidence!r}")
+
+
 def ordering(losses: Mapping[str, Mapping[int, float]], confidence: float = CONFIDENCE) -> str:
     """Names sorted by their mean loss over the seeds all of them ran, joined by ``<`` at a cut
     where every name before it is separated from every name after it (each pair's paired
@@ -111,6 +121,7 @@ def ordering(losses: Mapping[str, Mapping[int, float]], confidence: float = CONF
     ``a < c`` unless that pair separates. Seeds some names lack are left out of the ranking and
     the intervals alike (so a name cannot rank on one set of seeds and be compared on another),
     and the text says which seeds it used: ``a < b (seeds 0, 1: the ones all ran)``."""
+    check_confidence(confidence)
     if not losses:
         return ""
     every = set.union(*(set(by_seed) for by_seed in losses.values()))
