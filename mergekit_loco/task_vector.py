@@ -175,9 +175,10 @@ class TaskVector(Mapping[str, torch.Tensor]):
         """``theta = base + scale * tau`` in float32 at least (float64 if the base or the delta is),
         returned in the base's dtype. Base tensors without a delta (integer buffers) are copied
         unchanged. KeyError for a delta whose name the base lacks, ValueError for a delta of
-        another shape than its base tensor (both naming the tensor) or a ``scale`` that is NaN
-        or Inf; TypeError for a base that is not a mapping or a ``scale`` that is not a real
-        number."""
+        another shape than its base tensor (both naming the tensor), for a delta to a
+        non-floating base tensor (it would be truncated), for a result of finite inputs that is
+        not finite in the base's dtype (overflow) or a ``scale`` that is NaN or Inf; TypeError
+        for a base that is not a mapping of tensors or a ``scale`` that is not a real number."""
         if not isinstance(base, Mapping):
             raise TypeError(
                 f"apply_to: base must map tensor names to tensors (a state_dict), not a "
@@ -196,17 +197,29 @@ class TaskVector(Mapping[str, torch.Tensor]):
             raise KeyError(f"apply_to: the base has no tensor {unknown[0]!r} (a delta names it)")
         merged = {}
         for name, base_tensor in base.items():
+            if not isinstance(base_tensor, torch.Tensor):
+                raise TypeError(
+                    f"apply_to: the base's {name!r} is a {type(base_tensor).__name__}, not a tensor"
+                )
             if name not in self._deltas:
                 merged[name] = base_tensor.clone()
                 continue
             delta = self._deltas[name]
             check_same_shape(name, delta, base_tensor, "the base's")
+            if not base_tensor.is_floating_point():
+                raise ValueError(
+                    f"apply_to: the base's {name!r} is {base_tensor.dtype}: a delta to it would be "
+                    "truncated (integer tensors are never merged; leave it out of the deltas)"
+                )
             compute = torch.promote_types(
                 torch.promote_types(delta.dtype, base_tensor.dtype), torch.float32
             )
-            merged[name] = (base_tensor.to(compute) + scale * delta.to(compute)).to(
-                base_tensor.dtype
-            )
+            result = (base_tensor.to(compute) + scale * delta.to(compute)).to(base_tensor.dtype)
+            if not all_finite(result) and all_finite(base_tensor) and all_finite(delta):
+                raise ValueError(
+                    f"apply_to: {name!r}: base + {scale:g} * delta overflows {base_tensor.dtype}"
+                )
+            merged[name] = result
         return merged
 
 

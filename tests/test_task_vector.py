@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -74,6 +76,28 @@ def test_apply_to_refuses_unknown_names_and_other_shapes_and_keeps_float64():
     merged = TaskVector({"n": torch.zeros(1), "w": torch.ones(1, 3)}).apply_to(base, scale=0.5)
     assert merged["n"].dtype == torch.float64 and merged["n"].item() == 1.0 + 1e-12
     assert torch.equal(merged["w"], torch.full((1, 3), 0.5))
+
+
+def test_apply_to_refuses_what_it_would_truncate_overflow_or_not_read():
+    """Before: a float delta to an integer base tensor was truncated (3 + 0.6 -> 3, 3 - 0.6
+    -> 2), a numpy base value ended in torch's promote_types TypeError, and float16 6e4 + 1e4
+    came back inf. Integer buffers without a delta are still copied, and a NaN delta (which
+    the TaskVector holds) still gives NaN rather than an overflow error."""
+    base = {"w": torch.zeros(2), "step": torch.tensor([3, 3])}
+    with pytest.raises(
+        ValueError, match="the base's 'step' is torch.int64: a delta to it would be truncated"
+    ):
+        TaskVector({"w": torch.ones(2), "step": torch.tensor([0.6, -0.6])}).apply_to(base)
+    assert TaskVector({"w": torch.ones(2)}).apply_to(base)["step"].tolist() == [3, 3]
+    with pytest.raises(TypeError, match="the base's 'w' is a ndarray, not a tensor"):
+        TaskVector({"w": torch.ones(2)}).apply_to({"w": np.zeros(2)})
+    half = {"w": torch.full((2,), 6e4, dtype=torch.float16)}
+    with pytest.raises(ValueError, match="'w': base \\+ 1 \\* delta overflows torch.float16"):
+        TaskVector({"w": torch.full((2,), 1e4, dtype=torch.float16)}).apply_to(half)
+    lowered = TaskVector({"w": torch.full((2,), 1e4)}).apply_to(half, scale=-1.0)["w"]
+    assert torch.equal(lowered, torch.full((2,), 5e4).half())  # 6e4 - 1e4, rounded to float16
+    nan = TaskVector({"w": torch.tensor([math.nan, 1.0])}).apply_to({"w": torch.zeros(2)})
+    assert math.isnan(nan["w"][0]) and nan["w"][1] == 1.0
 
 
 def test_to_casts_every_delta():
