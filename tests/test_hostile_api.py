@@ -405,3 +405,38 @@ def test_a_finite_delta_whose_sum_overflows_is_merged():
     big = torch.full((64,), 60000.0, dtype=torch.float16)
     merged = ml.get_method("mean").merge_tensor("w", [big, big / 2])
     assert torch.equal(merged, torch.full((64,), 45000.0, dtype=torch.float16))
+
+
+def test_weighted_mean_scales_by_fractions_and_never_overflows_on_the_weights():
+    """Before, the raw weights multiplied the deltas first: (5e4, 3e4) on float16 deltas gave
+    inf, (1e39, 3e39) on float32 gave NaN, though only their ratios count. Now w_t / W does:
+    the same merge as (5, 3) and (1, 3), checked against the float64 formula."""
+    a16 = ml.TaskVector({"w": torch.tensor([2.0, -1.0], dtype=torch.float16)})
+    b16 = ml.TaskVector({"w": torch.tensor([1.0, 1.0], dtype=torch.float16)})
+    exact = (5 * torch.tensor([2.0, -1.0]) + 3 * torch.tensor([1.0, 1.0])) / 8  # [1.625, -0.25]
+    for weights in [(5.0, 3.0), (5e4, 3e4)]:
+        merged = ml.get_method("mean", weights=weights).merge([a16, b16])["w"]
+        assert merged.dtype == torch.float16 and torch.equal(merged.float(), exact)
+    a = ml.TaskVector({"w": torch.tensor([1.0, -1.0])})
+    b = ml.TaskVector({"w": torch.tensor([-1.0, 1.0])})
+    for weights in [(1.0, 3.0), (1e39, 3e39)]:
+        assert ml.get_method("mean", weights=weights).merge([a, b])["w"].tolist() == [-0.5, 0.5]
+    with pytest.raises(ValueError, match=r"weights \(1e\+39, 3e\+39\) go beyond torch.float32"):
+        ml.get_method("ties", density=1.0, weights=(1e39, 3e39)).merge([a, b])
+
+
+@pytest.mark.parametrize("method", ["mean", "ta", "ties", "iso-c", "iso-cts"])
+def test_an_in_memory_merge_that_overflows_is_refused_naming_the_tensor(method):
+    """Before, finite float32 deltas near the top of the range came back inf (mean, ta, ties)
+    or NaN (iso-c, iso-cts: an overflowed SVD), silently; merge_checkpoints already refused
+    it. In float64 the same merge is finite."""
+    big = torch.diag(torch.tensor([3e38, 2e38]))
+    task_vectors = [ml.TaskVector({"w": big}), ml.TaskVector({"w": big})]
+    options = {"density": 1.0} if method == "ties" else {}
+    with pytest.raises(
+        ValueError,
+        match=f"{method}: tensor 'w': the merge of finite deltas overflows torch.float32",
+    ):
+        ml.get_method(method, **options).merge(task_vectors)
+    wide = ml.get_method(method, **options).merge([tv.to(torch.float64) for tv in task_vectors])
+    assert torch.isfinite(wide["w"]).all()

@@ -230,7 +230,8 @@ class MergeMethod:
         vector, and ValueError, naming the tensor, for deltas of different shapes or a delta
         that is not floating (integer tensors are never merged): :func:`check_deltas` for
         every name. A delta holding NaN or Inf is refused (ValueError naming it) when its name
-        is merged."""
+        is merged, and so is a merge of finite deltas that is not finite (an overflow of their
+        dtype), as :func:`~mergekit_loco.merge.merge_checkpoints` refuses it."""
         check_implemented(self)
         task_vectors = task_vector_list(task_vectors, f"{self.name}.merge", "task vector")
         if not task_vectors:
@@ -243,9 +244,15 @@ class MergeMethod:
                 raise KeyError(f"task vector {index} and task vector 1 differ at {missing!r}")
         for name in first:
             check_deltas(self.name, name, [tv[name] for tv in task_vectors], "task vector")
-        return TaskVector(
-            {name: self.merge_tensor(name, [tv[name] for tv in task_vectors]) for name in first}
-        )
+        merged = {}
+        for name in first:
+            merged[name] = self.merge_tensor(name, [tv[name] for tv in task_vectors])
+            if merged[name].device.type != "meta" and not all_finite(merged[name]):
+                raise ValueError(
+                    f"{self.name}: tensor {name!r}: the merge of finite deltas overflows "
+                    f"{merged[name].dtype}; merge them in float64 (tv.to(torch.float64))"
+                )
+        return TaskVector(merged)
 
     @classmethod
     def parameter_names(cls) -> list[str]:

@@ -57,7 +57,12 @@ class Mean(MergeMethod):
         self.weight_total(tasks)
 
     def local_term(self, name: str, delta: torch.Tensor, worker_index: int) -> torch.Tensor:
-        return self.weighted(delta, worker_index)
+        """``tau_t`` unweighted (summed, then divided by ``T``); weighted, ``(w_t / W) tau_t``,
+        so that the weights' own size never overflows the delta's dtype (``w = (5e4, 3e4)`` on
+        float16 deltas gave inf)."""
+        if self.weights is None:
+            return delta
+        return delta * self.fractions(len(self.weights))[worker_index]
 
     def finish(self, name: str, total: torch.Tensor, workers: int) -> torch.Tensor:
-        return total.div_(self.weight_total(workers))
+        return total.div_(workers) if self.weights is None else total

@@ -255,6 +255,12 @@ def sign_consensus_merge(
     round to 0 and elect the wrong sign); the result is cast back to ``like``'s dtype.
     """
     merged = torch.empty_like(like.reshape(-1), dtype=summing_dtype(like.dtype))
+    largest = torch.finfo(merged.dtype).max
+    if weights is not None and not all(abs(weight) <= largest for weight in weights):
+        raise ValueError(
+            f"weights {tuple(weights)} go beyond {merged.dtype}, in which the sign election sums; "
+            "scale them down (with normalize, only their ratios count)"
+        )
     parts = slices(merged.numel(), merged.device)
     sign_balance = 0.0
     for part in parts:
