@@ -65,4 +65,4 @@ class Mean(MergeMethod):
         return delta * self.fractions(len(self.weights))[worker_index]
 
     def finish(self, name: str, total: torch.Tensor, workers: int) -> torch.Tensor:
-        return total.div_(workers) if self.weights is None else total
+        return total.div_(float(workers)) if self.weights is None else total
