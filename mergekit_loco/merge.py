@@ -353,6 +353,9 @@ def merge_checkpoints(
     for name, given in (("dtype", dtype), ("compute_dtype", compute_dtype)):
         if given is not None and not isinstance(given, torch.dtype):
             raise TypeError(f"{name}: a torch.dtype (torch.bfloat16), not {given!r}")
+    for name, given in (("force", force), ("progress", progress)):
+        if not isinstance(given, bool):  # force="no" is truthy: it overwrote an output
+            raise TypeError(f"{name} must be True or False, not {given!r}")
     models = list(models)  # any iterable, read once
     for what, given in (*(("models", model) for model in models), ("base", base), ("out", out)):
         if isinstance(given, str) and not given.strip():

@@ -440,3 +440,27 @@ def test_an_in_memory_merge_that_overflows_is_refused_naming_the_tensor(method):
         ml.get_method(method, **options).merge(task_vectors)
     wide = ml.get_method(method, **options).merge([tv.to(torch.float64) for tv in task_vectors])
     assert torch.isfinite(wide["w"]).all()
+
+
+def test_merge_across_ranks_takes_a_method_name_and_names_a_wrong_argument():
+    """Before: a method name ended in ``'str' object has no attribute 'is_sum'`` and one
+    TaskVector alone in ``KeyError: 0``."""
+    from mergekit_loco.dist import merge_across_ranks
+
+    one, two = ml.TaskVector({"w": torch.ones(2)}), ml.TaskVector({"w": torch.full((2,), 3.0)})
+    merged, _ = merge_across_ranks("mean", [one, two])  # one process: its deltas are all
+    assert merged["w"].tolist() == [2.0, 2.0]
+    with pytest.raises(TypeError, match="method must be a MergeMethod or its name, not 1"):
+        merge_across_ranks(1, [one])
+    with pytest.raises(TypeError, match=r"takes a list of worker deltas \(\[tau_1, tau_2"):
+        merge_across_ranks("mean", one)
+
+
+def test_merge_checkpoints_force_must_be_a_bool(tmp_path):
+    """Before, ``force="no"`` (truthy) overwrote an existing output."""
+    out = tmp_path / "out.safetensors"
+    out.write_bytes(b"keep")
+    for option in ("force", "progress"):
+        with pytest.raises(TypeError, match=f"{option} must be True or False, not 'no'"):
+            ml.merge_checkpoints(["a", "b"], "base", "ta", out, **{option: "no"})
+    assert out.read_bytes() == b"keep"

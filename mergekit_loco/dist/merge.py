@@ -30,7 +30,8 @@ import torch.distributed as dist
 from mergekit_loco.dist.checks import check_finite_deltas, check_same_layout, verify_identical
 from mergekit_loco.dist.codec import Codec
 from mergekit_loco.dist.transport import CommStats, Transport, assign_owners
-from mergekit_loco.methods import MergeMethod
+from mergekit_loco.methods import MergeMethod, get_method
+from mergekit_loco.methods.base import task_vector_list
 from mergekit_loco.methods.plan import Collectives, Layout, Plan, Pricing, stack_sum, templates
 from mergekit_loco.task_vector import TaskVector
 
@@ -173,7 +174,7 @@ def modelled_comm_stats(
 
 # -- entry points -----------------------------------------------------------------------------
 def merge_across_ranks(
-    method: MergeMethod,
+    method: MergeMethod | str,
     local_deltas: Sequence[TaskVector],
     group=None,
     *,
@@ -190,8 +191,16 @@ def merge_across_ranks(
     layouts are compared first and the results' checksums after. A worker delta holding NaN or
     Inf on any rank raises ``FloatingPointError`` naming the tensor on every rank, before any
     merge (:func:`~mergekit_loco.dist.checks.check_finite_deltas`: one all-reduce of 4 bytes a
-    tensor, counted in ``collectives``, not in ``bytes_sent``).
+    tensor, counted in ``collectives``, not in ``bytes_sent``). ``method``: a merge method or
+    its name (default parameters).
     """
+    if isinstance(method, str):
+        method = get_method(method)
+    if not isinstance(method, MergeMethod):
+        raise TypeError(
+            f"merge_across_ranks: method must be a MergeMethod or its name, not {method!r}"
+        )
+    local_deltas = task_vector_list(local_deltas, "merge_across_ranks", "worker delta")
     if not local_deltas:
         raise ValueError(f"{method.name}: no worker deltas on this rank")
     Codec(compression)  # an unknown compression fails here, on every rank
