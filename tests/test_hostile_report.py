@@ -97,6 +97,16 @@ def test_losses_near_the_float_maximum_have_a_spread():
     assert math.isclose(result.std, statistics.stdev(values), rel_tol=1e-12)
 
 
+def test_a_spread_of_a_numpy_array_or_a_generator_is_the_spread_of_its_values():
+    """Before: ``The truth value of an array with more than one element is ambiguous``."""
+    import numpy as np
+
+    values = [3.0, 1.0, 2.5]
+    expected = spread(values)
+    assert spread(np.array(values)) == expected == spread(value for value in values)
+    assert expected.std == statistics.stdev(values)
+
+
 def evaluations(**changes) -> dict:
     """A well-formed evaluations.json of one domain (base, its fine-tune, one merge), changed."""
     losses = {"code": {"select": 4.0, "test": 4.1}}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 #: confidence of every interval in the reports.
@@ -28,8 +28,10 @@ class Spread:
     n: int
 
 
-def spread(values: Sequence[float]) -> Spread:
-    """``mean = sum(x) / n``; ``std = sqrt(sum((x - mean)^2) / (n - 1))``."""
+def spread(values: Iterable[float]) -> Spread:
+    """``mean = sum(x) / n``; ``std = sqrt(sum((x - mean)^2) / (n - 1))`` of any iterable of
+    numbers (a numpy array's too)."""
+    values = [float(value) for value in values]
     if not values:
         raise ValueError("spread of no values")
     n = len(values)
