@@ -40,6 +40,14 @@ def test_no_inner_optimizer_is_refused():
         ml.DiLoCo(model, [], outer, aggregator="mean")
 
 
+@pytest.mark.parametrize("device", ["gpu0", 3.5])
+def test_a_backup_device_that_is_no_device_is_named(device):
+    """Before: torch's own ``Invalid device string: 'gpu0'``."""
+    model, inner, outer = tiny()
+    with pytest.raises(ValueError, match=re.escape(f"backup_device: {device!r} is not a device")):
+        ml.DiLoCo(model, inner, outer, aggregator="mean", backup_device=device)
+
+
 def test_inner_optimizer_of_another_model_is_refused():
     model, inner, outer = tiny()
     stranger = torch.optim.SGD(torch.nn.Linear(4, 3).parameters(), lr=0.1)

@@ -228,6 +228,13 @@ class DiLoCo:
             raise TypeError(f"exclude: a list of parameter names ([{exclude!r}]), not one string")
         check_sync_every(sync_every)
         check_compression(compression)
+        if backup_device is not None:
+            try:
+                backup_device = torch.device(backup_device)
+            except (RuntimeError, TypeError):
+                raise ValueError(
+                    f'backup_device: {backup_device!r} is not a device ("cpu", "cuda:0")'
+                ) from None
         named = dict(model.named_parameters())
         # a tied weight has one name here and more in the model (lm_head.weight beside
         # wte.weight): excluding any of its names excludes the tensor
