@@ -697,6 +697,7 @@ def test_a_cell_process_killed_in_a_parallel_sweep_is_named(tmp_path):
          f"signal {signal.SIGSEGV.value}: {signal.strsignal(signal.SIGSEGV)}); the process of "
          "cell dp-s0 died (exit code 3); the sweep"),
         ({}, "a sweep worker process died (killed?); the sweep"),
+        ({"dp": None}, "the process of cell dp-s0 died (its exit status could not be read); the"),
     ],
 )  # fmt: skip
 def test_death_message_says_which_cell_died_how(exit_codes, said):
@@ -707,6 +708,26 @@ def test_death_message_says_which_cell_died_how(exit_codes, said):
     assert message.startswith(said)
     assert message.endswith("run the same command to resume (unfinished cells continue from "
                             "their last checkpoint)")  # fmt: skip
+
+
+def test_an_exit_code_is_awaited_while_another_thread_reaps_the_process():
+    """CI once read a dead cell's exitcode as None (the pool's thread was reaping it at that
+    instant) and died on ``None < 0``; the code is now polled until it shows."""
+    import multiprocessing
+
+    process = multiprocessing.get_context("spawn").Process(target=os._exit, args=(3,))
+    process.start()
+    assert sweeping.exit_code(process, wait_seconds=60) == 3
+
+    class NeverReaped:  # a process whose status never shows: None after the wait, no hang
+        exitcode = None
+
+        def join(self, timeout):
+            time.sleep(timeout)
+
+    started = time.monotonic()
+    assert sweeping.exit_code(NeverReaped(), wait_seconds=0.2) is None
+    assert time.monotonic() - started < 2
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")

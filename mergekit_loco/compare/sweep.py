@@ -504,8 +504,18 @@ def run_cells(
         except BaseException:
             stop_workers(pool)
             raise
-    if dead is not None:  # read once the pool has ended: every exit code is known
-        raise CellDied(death_message({cell: workers[pid].exitcode for pid, cell in dead}))
+    if dead is not None:  # read once the pool has ended
+        raise CellDied(death_message({cell: exit_code(workers[pid]) for pid, cell in dead}))
+
+
+def exit_code(process: BaseProcess, wait_seconds: float = 5.0) -> int | None:
+    """``process``'s exit code, once known: the pool's own thread may be reaping the process
+    at that very moment (then ``exitcode`` reads None for an instant, which CI once caught),
+    so it is polled for up to ``wait_seconds``; None if it never shows."""
+    deadline = time.monotonic() + wait_seconds
+    while process.exitcode is None and time.monotonic() < deadline:
+        process.join(0.05)
+    return process.exitcode
 
 
 def ended_cells(
@@ -520,12 +530,15 @@ def ended_cells(
     return [by_sentinel[sentinel] for sentinel in ended]
 
 
-def death_message(exit_codes: Mapping[Cell, int]) -> str:
-    """What to tell of cells whose process died, by exit code (negative: the signal): which,
-    how, the likely cause (SIGKILL: the out-of-memory killer), and how to resume."""
+def death_message(exit_codes: Mapping[Cell, int | None]) -> str:
+    """What to tell of cells whose process died, by exit code (negative: the signal; None: not
+    known): which, how, the likely cause (SIGKILL: the out-of-memory killer), and how to
+    resume."""
     deaths = []
     for cell, code in exit_codes.items():
-        if code == -signal.SIGKILL:
+        if code is None:
+            how = "its exit status could not be read"
+        elif code == -signal.SIGKILL:
             how = "killed by SIGKILL, likely by the out-of-memory killer: try fewer --jobs"
         elif code < 0:
             how = f"killed by signal {-code}: {signal.strsignal(-code)}"
