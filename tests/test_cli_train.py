@@ -217,7 +217,7 @@ def test_val_seed_flag_sets_the_validation_documents_seed(captured_run, capsys):
     ((config, _),) = captured_run
     assert (config.run.seed, config.data.val_seed) == (3, 1000)
     code, _, stderr = run_main(capsys, "train", "--val-seed", "-1", "--threads", "1")
-    assert code == 2 and "val_seed must be an integer in [0, 2**63)" in stderr
+    assert code == 2 and "--val-seed must be an integer in [0, 2**63)" in stderr
 
 
 def test_resolved_defaults_threads_and_the_preparing_line(captured_run, capsys, monkeypatch):

@@ -494,7 +494,18 @@ def test_compare_command_errors_are_one_line(capsys):
             "--seeds 900 would run 900 seeds per cell (a count); for the one "
             "seed 900, write it as a list: --seeds 900,",
         ),
-        (["--val-seed", "-3"], "val_seed must be an integer in [0, 2**63), got -3"),
+        (["--val-seed", "-3"], "--val-seed must be an integer in [0, 2**63), got -3"),
+        # before: named by the config fields (global_batch), which compare has no flags for
+        (["--inner-steps", "0"], "--inner-steps must be >= 1, got 0"),
+        (
+            ["--workers", "2,3"],
+            "a global batch of 64 (--global-batch) is not divisible by 3 workers (--workers); "
+            "each worker's batch is the global batch / R",
+        ),
+        (
+            ["--global-batch", "8", "--val-tokens", "64"],
+            "--val-tokens must be >= --seq-len (128), got 64",
+        ),
         (
             ["--outer-momentum-grid", "0.9,1"],
             "--outer-momentum-grid '0.9,1': momentum must lie in (0, 1)",

@@ -6,6 +6,7 @@ refused before it expands, and every value of the wrong type, out of range or no
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 import time
 from pathlib import Path
@@ -16,7 +17,7 @@ from conftest import stdlib_corpus
 from hostile import TRAIN, assert_refused, run_cli, snapshot
 
 from mergekit_loco.train.config import TrainConfig, preset_config, resolve_config
-from mergekit_loco.train.config_sections import RunConfig
+from mergekit_loco.train.config_sections import OptionError, RunConfig
 
 FOLDER_ACTIONS = ("resume", "allow_config_change", "force")
 
@@ -201,18 +202,18 @@ def test_yaml_1_2_floats_are_numbers(tmp_path):
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--grad-clip", "nan"], "grad_clip must be a finite number, got nan"),
-        (["--grad-clip", "inf"], "grad_clip must be a finite number, got inf"),
-        (["--timeout", "inf"], "timeout must be a finite number, got inf"),
-        (["--timeout", "1e300"], "timeout must be at most 1e9 seconds, got 1e+300"),
-        (["--weight-decay", "inf"], "weight_decay must be a finite number, got inf"),
-        (["--weight-decay", "1e39"], "weight_decay must be at most 3.4e38 (float32), got 1e+39"),
-        (["--inner-lr", "1e999"], "inner_lr must be a finite number, got inf"),
-        (["--inner-lr", "1e300"], "inner_lr must be at most 3.4e38 (float32), got 1e+300"),
-        (["--outer-lr", "1e300"], "outer_lr must be at most 3.4e38 (float32), got 1e+300"),
-        (["--chinchilla", "nan"], "chinchilla must be a finite number, got nan"),
-        (["--seed", "-1"], "seed must be an integer in [0, 2**63), got -1"),
-        (["--vocab-size", "4294967296"], "vocab_size must be at most 2**20, got 4294967296"),
+        (["--grad-clip", "nan"], "--grad-clip must be a finite number, got nan"),
+        (["--grad-clip", "inf"], "--grad-clip must be a finite number, got inf"),
+        (["--timeout", "inf"], "--timeout must be a finite number, got inf"),
+        (["--timeout", "1e300"], "--timeout must be at most 1e9 seconds, got 1e+300"),
+        (["--weight-decay", "inf"], "--weight-decay must be a finite number, got inf"),
+        (["--weight-decay", "1e39"], "--weight-decay must be at most 3.4e38 (float32), got 1e+39"),
+        (["--inner-lr", "1e999"], "--inner-lr must be a finite number, got inf"),
+        (["--inner-lr", "1e300"], "--inner-lr must be at most 3.4e38 (float32), got 1e+300"),
+        (["--outer-lr", "1e300"], "--outer-lr must be at most 3.4e38 (float32), got 1e+300"),
+        (["--chinchilla", "nan"], "--chinchilla must be a finite number, got nan"),
+        (["--seed", "-1"], "--seed must be an integer in [0, 2**63), got -1"),
+        (["--vocab-size", "4294967296"], "--vocab-size must be at most 2**20, got 4294967296"),
     ],
 )
 def test_flags_out_of_range_or_not_finite_are_refused(capsys, tmp_path, flags, message):
@@ -220,6 +221,58 @@ def test_flags_out_of_range_or_not_finite_are_refused(capsys, tmp_path, flags, m
     code, err = train(capsys, tmp_path, *flags, without=without)
     assert assert_refused(code, err) == f"error: {message}"
     assert not (tmp_path / "out").exists()
+
+
+#: (flat name, a refused value): one for every check of a config section and of the whole config.
+REFUSED_VALUES = [
+    ("global_batch", 0), ("vocab_size", 0), ("seq_len", 1), ("val_tokens", 5), ("tokens", 0),
+    ("val_seed", -1), ("inner_optimizer", "sgd"), ("inner_steps", 0), ("inner_lr", -1.0),
+    ("weight_decay", -1.0), ("grad_clip", -1.0), ("warmup_fraction", 2.0), ("outer_lr", -1.0),
+    ("outer_momentum", 1.5), ("checkpoint_every", -1), ("keep_checkpoints", 0), ("mode", "x"),
+    ("device", "tpu"), ("workers", 0), ("workers", 3), ("eval_every", -1), ("stop_after", 0),
+    ("timeout", -1.0), ("seed", -1), ("inner_lr", 1e300), ("model", " "),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("key", "value"), REFUSED_VALUES)
+def test_a_refused_value_is_named_as_the_user_gave_it(capsys, tmp_path, key, value):
+    """The flag (``--global-batch``) for a flag, ``global_batch in FILE`` for a config file's
+    key, ``global_batch`` for the Python API (before: ``global_batch`` in all three)."""
+    flag = "--" + key.replace("_", "-")
+    code, err = train(capsys, tmp_path, f"{flag}={value}", without=(key,))
+    assert_refused(code, err, flag)
+    assert key not in err or "_" not in key, err
+
+    config = write(tmp_path, "run.toml", f"{key} = {json.dumps(value)}\n")
+    code, err = train(capsys, tmp_path, f"--config={config}", without=(key,))
+    assert_refused(code, err, f"{key} in {config}")
+    assert not (tmp_path / "out").exists()
+
+    with pytest.raises(ValueError) as refused:
+        preset_config(**{key: value})
+    assert key in str(refused.value) and "--" not in str(refused.value)
+
+
+def test_a_message_of_two_options_names_each_as_given(capsys, tmp_path):
+    config = write(tmp_path, "run.toml", "global_batch = 6\n")
+    code, err = train(capsys, tmp_path, f"--config={config}", "--workers=4", without=("workers",
+                      "global_batch"))  # fmt: skip
+    assert assert_refused(code, err) == (
+        f"error: a global batch of 6 (global_batch in {config}) is not divisible by 4 workers "
+        "(--workers); each worker's batch is the global batch / R"
+    )
+    code, err = train(capsys, tmp_path, "--preset=diloco-sgd", "--nesterov")
+    assert_refused(code, err, "error: --nesterov needs --outer-momentum > 0")
+
+
+def test_an_option_error_survives_a_process_boundary():
+    """compare builds cell configs in pool processes: the error must pickle, names and all."""
+    with pytest.raises(OptionError) as refused:
+        preset_config(global_batch=6, workers=4)
+    copy = pickle.loads(pickle.dumps(refused.value))
+    assert str(copy) == str(refused.value)
+    assert copy.named({"workers": "--workers"}) == refused.value.named({"workers": "--workers"})
+    assert "(--workers)" in copy.named({"workers": "--workers"})
 
 
 def test_threads_are_bounded(capsys, tmp_path):
@@ -245,27 +298,36 @@ def test_threads_are_bounded(capsys, tmp_path):
             "CONFIG: option 'inner_lr' expects float, got an integer of about 401 digits",
         ),
         ('{"data": ["stdlib"]}', "CONFIG: option 'data' expects str, got ['stdlib']"),
-        ('{"grad_clip": NaN}', "grad_clip must be a finite number, got nan"),
+        ('{"grad_clip": NaN}', "grad_clip in CONFIG must be a finite number, got nan"),
         (
             '{"seed": 18446744073709551616}',
-            "seed must be an integer in [0, 2**63), got 18446744073709551616",
+            "seed in CONFIG must be an integer in [0, 2**63), got 18446744073709551616",
         ),
-        ('{"seed": -1}', "seed must be an integer in [0, 2**63), got -1"),
+        ('{"seed": -1}', "seed in CONFIG must be an integer in [0, 2**63), got -1"),
         (
             '{"tokens": 1' + "0" * 400 + "}",
-            "tokens must be an integer in [0, 2**63), got an integer of about 401 digits",
+            "tokens in CONFIG must be an integer in [0, 2**63), got an integer of about 401 digits",
         ),
-        ('{"vocab_size": 1e12}', "vocab_size must be at most 2**20, got 1000000000000"),
-        ('{"init": ""}', "init: an empty path (it would mean the current folder)"),
-        ('{"tokenizer": " "}', "tokenizer: an empty path (it would mean the current folder)"),
+        ('{"vocab_size": 1e12}', "vocab_size in CONFIG must be at most 2**20, got 1000000000000"),
+        ('{"init": ""}', "init in CONFIG: an empty path (it would mean the current folder)"),
+        (
+            '{"tokenizer": " "}',
+            "tokenizer in CONFIG: an empty path (it would mean the current folder)",
+        ),
         # before: "embedded null byte", naming no option
-        ('{"data": "a\\u0000b"}', "data: 'a\\x00b' holds a NUL character, which no path can"),
-        ('{"init": "a\\u0000b"}', "init: 'a\\x00b' holds a NUL character, which no path can"),
+        (
+            '{"data": "a\\u0000b"}',
+            "data in CONFIG: 'a\\x00b' holds a NUL character, which no path can",
+        ),
+        (
+            '{"init": "a\\u0000b"}',
+            "init in CONFIG: 'a\\x00b' holds a NUL character, which no path can",
+        ),
     ],
 )
 def test_config_file_values_are_one_line_naming_the_option(capsys, tmp_path, text, expected):
-    """A value of the wrong type names the file and the option; one out of range or not finite
-    names the option; a huge value is described, never printed."""
+    """A value of the wrong type, out of range or not finite names the file and the option; a
+    huge value is described, never printed."""
     config = write(tmp_path, "run.json", text)
     code, err = train(capsys, tmp_path, f"--config={config}", without=tuple(json.loads(text)))
     assert assert_refused(code, err) == "error: " + expected.replace("CONFIG", str(config))
@@ -279,7 +341,7 @@ def test_an_out_folder_with_a_nul_character_is_named(capsys, tmp_path):
     code, err, _ = run_cli(capsys, "train", *TRAIN, f"--config={config}")
     assert (
         assert_refused(code, err)
-        == "error: out: 'a\\x00b' holds a NUL character, which no path can"
+        == f"error: out in {config}: 'a\\x00b' holds a NUL character, which no path can"
     )
 
 

@@ -138,7 +138,10 @@ def test_a_config_file_that_cannot_be_read_is_one_line_naming_it(tmp_path, name,
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (dict(global_batch=10), "global_batch 10 is not divisible by 4 workers"),
+        (
+            dict(global_batch=10),
+            r"global batch of 10 \(global_batch\) is not divisible by 4 workers",
+        ),
         (dict(inner_steps=0), "inner_steps must be >= 1"),
         (dict(aggregator="iso-c", aggregator_options={"densty": 0.5}), "does not take 'densty'"),
         (dict(tokens=500), "less than one round"),

@@ -23,8 +23,14 @@ from mergekit_loco.cli.common import (
 )
 from mergekit_loco.console import output_console
 from mergekit_loco.run_layout import check_output_parent, check_run_folder_name
+from mergekit_loco.train.config_sections import OptionError
 
 MODES = ("aggregators", "merge")
+#: A cell's training options (flat names) -> the compare flag that sets them.
+CELL_OPTIONS = {
+    "workers": "--workers", "inner_steps": "--inner-steps", "seed": "--seeds",
+    "outer_lr": "--outer-lr-grid", "outer_momentum": "--outer-momentum-grid",
+}  # fmt: skip
 DEFAULT_AGGREGATORS = "diloco,isoloco,isoloco-ns,ties,tsv,iso-cts"
 DEFAULT_MERGE_METHODS = "mean,ta,ties,dare,tsv,iso-c,iso-cts"
 
@@ -305,6 +311,9 @@ def compare_command(
         sweeping.run_sweep(
             sweep, output, jobs=jobs, console=console, progress=not quiet, figures=figures
         )
+    except OptionError as error:  # a cell's config refused: named by compare's flags
+        names = {key: "--" + key.replace("_", "-") for key in given} | CELL_OPTIONS
+        raise ValueError(error.named(names)) from None
     except (KeyboardInterrupt, TrainingInterrupted):
         print_error("interrupted; finished cells are kept: run the same command to resume")
         raise typer.Exit(EXIT_INTERRUPTED) from None

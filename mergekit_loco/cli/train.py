@@ -37,6 +37,7 @@ from mergekit_loco.train.config import (
     read_options,
     resolve_config,
 )
+from mergekit_loco.train.config_sections import OptionError
 
 #: --threads at most this many times the CPUs: torch starts every thread it is given.
 THREADS_PER_CPU = 4
@@ -348,7 +349,11 @@ def train_command(
         aggregator_options=aggregator_options or None,
     )  # fmt: skip
     check_not_resume_and_force(config, flags)
-    run_config = resolve_config(config, **flags)
+    try:
+        run_config = resolve_config(config, **flags)
+    except OptionError as error:  # named as typed: --global-batch, global_batch in run.toml
+        names = {key: "--" + key.replace("_", "-") for key in flags}
+        raise ValueError(error.named(names | given_options(config, **flags))) from None
     check_run_folder_name(Path(run_config.run.out), "--out")
     if run_config.checkpoint.resume:
         check_resumable(Path(run_config.run.out))

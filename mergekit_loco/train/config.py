@@ -32,8 +32,10 @@ from mergekit_loco.train.config_sections import (
     DataConfig,
     InnerConfig,
     ModelConfig,
+    OptionError,
     OuterConfig,
     RunConfig,
+    bad_value,
 )
 
 #: The seed paper's tuned 178M, R = 8 values, as changes to the sections' defaults (which are
@@ -130,10 +132,11 @@ class TrainConfig:
         check_values(self)
         check_preset(self.run.preset)
         if self.data.global_batch % self.run.workers:
-            raise ValueError(
-                f"global_batch {self.data.global_batch} is not divisible by {self.run.workers} "
-                "workers (each worker's batch is global_batch / workers)"
-            )
+            raise OptionError(
+                "a global batch of {batch} ({0}) is not divisible by {workers} workers ({1}); "
+                "each worker's batch is the global batch / R", ("global_batch", "workers"),
+                dict(batch=self.data.global_batch, workers=self.run.workers),
+            )  # fmt: skip
         if self.data.chinchilla is None:
             self.check_budget(None)
 
@@ -233,12 +236,14 @@ def check_values(config: TrainConfig) -> None:
     for name, value in values.items():
         for number in value if isinstance(value, list) else [value]:
             if isinstance(number, float) and not math.isfinite(number):
-                raise ValueError(f"{name} must be a finite number, got {number}")
+                raise bad_value(name, "must be a finite number, got {value}", value=number)
             if isinstance(number, int) and not 0 <= number < 2**63:
-                raise ValueError(f"{name} must be an integer in [0, 2**63), got {brief(number)}")
+                text = "must be an integer in [0, 2**63), got {value}"
+                raise bad_value(name, text, value=brief(number))
     for name, (bound, shown_bound) in UPPER_BOUNDS.items():
         if values[name] > bound:
-            raise ValueError(f"{name} must be at most {shown_bound}, got {brief(values[name])}")
+            text = "must be at most {bound}, got {value}"
+            raise bad_value(name, text, bound=shown_bound, value=brief(values[name]))
 
 
 def same_value(a: Any, b: Any) -> bool:

@@ -1,9 +1,11 @@
 """The six sections of a run's configuration, each a frozen dataclass that checks its own
 fields when it is built (cross-section checks and the flat option names: train/config.py).
-Their defaults are the only defaults; the error messages use the flat option names."""
+Their defaults are the only defaults. A bad value raises :class:`OptionError`, whose message
+uses the flat option names until the command line names them as the user wrote them."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,16 +17,43 @@ DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_TOKENS = 2_000_000
 
 
+class OptionError(ValueError):
+    """A bad value of the options ``options`` (flat names). ``template`` refers to them as
+    ``{0}``, ``{1}`` and to ``values`` by name; ``str()`` shows the flat names (``global_batch
+    must be >= 1``), :meth:`named` the names the user wrote (``--global-batch``, ``global_batch
+    in run.toml``)."""
+
+    def __init__(self, template: str, options: tuple[str, ...], values: Mapping | None = None):
+        super().__init__(template, tuple(options), dict(values or {}))
+
+    def named(self, names: Mapping[str, str]) -> str:
+        """The message with each option named by ``names`` (flat name -> shown name), those it
+        lacks by their flat name."""
+        template, options, values = self.args
+        return template.format(*(names.get(option, option) for option in options), **values)
+
+    def __str__(self) -> str:
+        return self.named({})
+
+
+def bad_value(option: str, text: str, **values: Any) -> OptionError:
+    """:class:`OptionError` of one option: ``"{option} " + text`` with ``values`` filled in."""
+    return OptionError("{0} " + text, (option,), values)
+
+
 def check_choice(name: str, value: str, choices) -> None:
     if value not in choices:
-        raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(choices)}")
+        raise OptionError(
+            "unknown {0} {value!r}; choose one of {choices}", (name,),
+            dict(value=value, choices=", ".join(choices)),
+        )  # fmt: skip
 
 
 def _check_at_least(minimum: int, **values: int) -> None:
     """``values``: flat option name -> value."""
     for name, value in values.items():
         if value < minimum:
-            raise ValueError(f"{name} must be >= {minimum}, got {value}")
+            raise bad_value(name, "must be >= {minimum}, got {value}", minimum=minimum, value=value)
 
 
 def check_path_text(**paths: str | None) -> None:
@@ -33,7 +62,7 @@ def check_path_text(**paths: str | None) -> None:
     does)."""
     for option, path in paths.items():
         if isinstance(path, str) and not path.strip():
-            raise ValueError(f"{option}: an empty path (it would mean the current folder)")
+            raise OptionError("{0}: an empty path (it would mean the current folder)", (option,))
     check_no_nul(**paths)
 
 
@@ -42,7 +71,8 @@ def check_no_nul(**texts: str | None) -> None:
     ``embedded null byte``, naming nothing)."""
     for option, text in texts.items():
         if isinstance(text, str) and "\0" in text:
-            raise ValueError(f"{option}: {text!r} holds a NUL character, which no path can")
+            template = "{0}: {text!r} holds a NUL character, which no path can"
+            raise OptionError(template, (option,), dict(text=text))
 
 
 @dataclass(frozen=True)
@@ -81,17 +111,22 @@ class DataConfig:
         _check_at_least(1, vocab_size=self.vocab_size, global_batch=self.global_batch)
         _check_at_least(2, seq_len=self.seq_len)
         if self.val_tokens < self.seq_len:
-            raise ValueError(
-                f"val_tokens must be >= seq_len ({self.seq_len}), got {self.val_tokens}"
-            )
+            raise OptionError(
+                "{0} must be >= {1} ({seq_len}), got {value}", ("val_tokens", "seq_len"),
+                dict(seq_len=self.seq_len, value=self.val_tokens),
+            )  # fmt: skip
         if self.tokens is not None and self.chinchilla is not None:
-            raise ValueError("set the token budget with tokens or chinchilla, not both")
+            raise OptionError(
+                "set the token budget with {0} or {1}, not both", ("tokens", "chinchilla")
+            )
         if self.tokens is not None and self.tokens < 1:
-            raise ValueError(f"tokens must be >= 1, got {self.tokens}")
+            raise bad_value("tokens", "must be >= 1, got {value}", value=self.tokens)
         if self.chinchilla is not None and self.chinchilla <= 0:
-            raise ValueError(f"chinchilla must be > 0, got {self.chinchilla}")
+            raise bad_value("chinchilla", "must be > 0, got {value}", value=self.chinchilla)
         if self.val_seed is not None and not 0 <= self.val_seed < 2**63:
-            raise ValueError(f"val_seed must be an integer in [0, 2**63), got {self.val_seed}")
+            raise bad_value(
+                "val_seed", "must be an integer in [0, 2**63), got {value}", value=self.val_seed
+            )
         if self.tokens is None and self.chinchilla is None:  # the default budget, written down
             object.__setattr__(self, "tokens", DEFAULT_TOKENS)
 
@@ -113,13 +148,19 @@ class InnerConfig:
         check_choice("inner_optimizer", self.optimizer, INNER_OPTIMIZERS)
         _check_at_least(1, inner_steps=self.steps)
         if not self.lr > 0:
-            raise ValueError(f"inner_lr must be > 0, got {self.lr}")
-        if self.weight_decay < 0 or self.grad_clip < 0:
-            raise ValueError("weight_decay and grad_clip must be >= 0 (grad_clip 0: no clipping)")
+            raise bad_value("inner_lr", "must be > 0, got {value}", value=self.lr)
+        if self.weight_decay < 0:
+            raise bad_value("weight_decay", "must be >= 0, got {value}", value=self.weight_decay)
+        if self.grad_clip < 0:
+            raise bad_value(
+                "grad_clip", "must be >= 0 (0: no clipping), got {value}", value=self.grad_clip
+            )
         if len(self.betas) != 2 or not all(0 <= beta < 1 for beta in self.betas):
-            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
+            raise bad_value("betas", "must be two numbers in [0, 1), got {value}", value=self.betas)
         if not 0 <= self.warmup_fraction < 1:
-            raise ValueError(f"warmup_fraction must lie in [0, 1), got {self.warmup_fraction}")
+            raise bad_value(
+                "warmup_fraction", "must lie in [0, 1), got {value}", value=self.warmup_fraction
+            )
 
 
 @dataclass(frozen=True)
@@ -139,11 +180,16 @@ class OuterConfig:
 
     def __post_init__(self):
         if not self.lr > 0:
-            raise ValueError(f"outer_lr must be > 0, got {self.lr}")
+            raise bad_value("outer_lr", "must be > 0, got {value}", value=self.lr)
         if not 0 <= self.momentum < 1:
-            raise ValueError(f"outer_momentum must lie in [0, 1), got {self.momentum}")
+            raise bad_value(
+                "outer_momentum", "must lie in [0, 1), got {value}", value=self.momentum
+            )
         if self.nesterov and self.momentum == 0:
-            raise ValueError("nesterov needs outer_momentum > 0 (use --no-nesterov)")
+            raise OptionError(
+                "{0} needs {1} > 0 (or turn Nesterov off: --no-nesterov, nesterov = false)",
+                ("nesterov", "outer_momentum"),
+            )  # fmt: skip
         from mergekit_loco.methods import get_method  # torch: not for `mloco train --help`
         from mergekit_loco.methods.registry import typed_options
         from mergekit_loco.train.diloco import check_compression
@@ -200,6 +246,6 @@ class RunConfig:
         _check_at_least(1, workers=self.workers)
         _check_at_least(0, eval_every=self.eval_every)
         if self.stop_after is not None and self.stop_after < 1:
-            raise ValueError(f"stop_after must be >= 1, got {self.stop_after}")
+            raise bad_value("stop_after", "must be >= 1, got {value}", value=self.stop_after)
         if not self.timeout > 0:
-            raise ValueError(f"timeout must be > 0, got {self.timeout}")
+            raise bad_value("timeout", "must be > 0, got {value}", value=self.timeout)
