@@ -7,6 +7,7 @@ import itertools
 import numbers
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -63,17 +64,34 @@ def same_checkpoint(first: Path, second: Path, second_is_base: bool = False) -> 
     revisions) are two checkpoints. ``second_is_base``: ``second`` is read as the base
     (:func:`weight_files`)."""
     seen = Checkpoints()
-    seen.add(second, as_base=second_is_base)
-    return seen.find(first) is not None
+    seen.add(Fingerprint.of(second, as_base=second_is_base))
+    return seen.find(Fingerprint.of(first)) is not None
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What :class:`Checkpoints` compares of a checkpoint path, looked at once (each look
+    stats files and may read a shard index): its :func:`identity`, its :func:`weight_files`,
+    and whether it is one weights file."""
+
+    path: Path
+    identity: tuple[int, int] | None
+    files: frozenset[tuple[int, int]]
+    one_file: bool
+
+    @classmethod
+    def of(cls, path: Path, as_base: bool = False) -> Fingerprint:
+        files = weight_files(path, as_base=as_base)
+        return cls(path, identity(path), files, is_weights_file(path))
 
 
 class Checkpoints:
-    """Checkpoint paths seen so far, each looked at once (its :func:`identity` and
-    :func:`weight_files`), so that :meth:`find` answers :func:`same_checkpoint` against all of
-    them by lookups, in time linear in the path's weight files rather than in the paths seen
-    (before, a merge config of 3000 models took 89 s, pair by pair). The rule: ``first`` and
-    ``second`` are one checkpoint where the paths are equal, their identities are, or both
-    have weight files and those are equal or one is a weights file among the other's."""
+    """Checkpoints seen so far (their :class:`Fingerprint`), so that :meth:`find` answers
+    :func:`same_checkpoint` against all of them by lookups, in time linear in the path's
+    weight files rather than in the paths seen (before, a merge config of 3000 models took
+    89 s, pair by pair). The rule: ``first`` and ``second`` are one checkpoint where the paths
+    are equal, their identities are, or both have weight files and those are equal or one is a
+    weights file among the other's."""
 
     def __init__(self) -> None:
         self.order: dict[Path, int] = {}  # path -> its position among those added
@@ -82,34 +100,33 @@ class Checkpoints:
         self._holding: dict[tuple[int, int], Path] = {}  # a weight file -> a path read from it
         self._single: dict[tuple[int, int], Path] = {}  # a weight file -> a path that is it
 
-    def find(self, path: Path) -> Path | None:
-        """The first path added that is ``path``'s checkpoint (``path`` as ``first`` of
+    def find(self, model: Fingerprint) -> Path | None:
+        """The first path added that is ``model``'s checkpoint (``model`` as ``first`` of
         :func:`same_checkpoint`, the one added as ``second``), else None."""
-        key, files = identity(path), weight_files(path)
-        found = [path if path in self.order else None]
-        if key is not None:
-            found.append(self._by_identity.get(key))
-        if files:
-            found.append(self._by_files.get(files))
-            if is_weights_file(path):  # its one file among another's
-                found.append(self._holding.get(next(iter(files))))
-            found += [self._single.get(file) for file in files]  # another's one file among its
+        found = [model.path if model.path in self.order else None]
+        if model.identity is not None:
+            found.append(self._by_identity.get(model.identity))
+        if model.files:
+            found.append(self._by_files.get(model.files))
+            if model.one_file:  # its one file among another's
+                found.append(self._holding.get(next(iter(model.files))))
+            found += [self._single.get(file) for file in model.files]  # another's one among its
         return min(filter(None, found), key=self.order.__getitem__, default=None)
 
-    def add(self, path: Path, as_base: bool = False) -> None:
-        """Remember ``path`` (read as the base where ``as_base``: :func:`weight_files`)."""
+    def add(self, model: Fingerprint) -> None:
+        """Remember ``model`` (a fingerprint of a path; the first of a path is kept)."""
+        path = model.path
         if path in self.order:
             return
         self.order[path] = len(self.order)
-        key, files = identity(path), weight_files(path, as_base=as_base)
-        if key is not None:
-            self._by_identity.setdefault(key, path)
-        if files:
-            self._by_files.setdefault(files, path)
-            for file in files:
+        if model.identity is not None:
+            self._by_identity.setdefault(model.identity, path)
+        if model.files:
+            self._by_files.setdefault(model.files, path)
+            for file in model.files:
                 self._holding.setdefault(file, path)
-            if is_weights_file(path):
-                self._single.setdefault(next(iter(files)), path)
+            if model.one_file:
+                self._single.setdefault(next(iter(model.files)), path)
 
 
 def is_weights_file(path: Path) -> bool:
@@ -123,14 +140,15 @@ def check_distinct(models: Sequence[Path], base: Path | None) -> None:
     :class:`CheckpointError` naming the path and saying what to do instead."""
     bases, seen = Checkpoints(), Checkpoints()
     if base is not None:
-        bases.add(base, as_base=True)
+        bases.add(Fingerprint.of(base, as_base=True))
     for path in models:
-        if bases.find(path) is not None:
+        model = Fingerprint.of(path)
+        if bases.find(model) is not None:
             raise CheckpointError(
                 f"{path}: is the base ({base}) given again as a model; its task vector "
                 "(model - base) is zero, so leave it out of the models"
             )
-        earlier = seen.find(path)
+        earlier = seen.find(model)
         if earlier is not None:
             same = "" if str(earlier) == str(path) else f" (as {earlier})"
             raise CheckpointError(
@@ -138,7 +156,7 @@ def check_distinct(models: Sequence[Path], base: Path | None) -> None:
                 "one model more, give a mergekit YAML with per-model weight: mloco merge "
                 "--config)"
             )
-        seen.add(path)
+        seen.add(model)
 
 
 def dtype_kind(dtype: torch.dtype) -> str:

@@ -47,7 +47,7 @@ import yaml
 
 from mergekit_loco.io.files import read_limited
 from mergekit_loco.io.yaml_config import MAX_CONFIG_BYTES, ConfigFileError, bounded, load_yaml
-from mergekit_loco.merge_checks import Checkpoints
+from mergekit_loco.merge_checks import Checkpoints, Fingerprint
 from mergekit_loco.methods import METHODS, get_method
 from mergekit_loco.methods.mean import weight_sum
 
@@ -187,14 +187,15 @@ def check_listed_once(path: Path, entries: list) -> None:
     more, its ``weight`` says so."""
     seen = Checkpoints()
     for index, (model, _) in enumerate(entries):
-        other = seen.find(model)
+        fingerprint = Fingerprint.of(model)
+        other = seen.find(fingerprint)
         if other is not None:
             also = f"models[{seen.order[other] + 1}]" + ("" if model == other else f" {other}")
             raise MergeConfigError(
                 f"{path}: models[{index + 1}] {model} is listed twice (also as "
                 f"{also}); list each model once (a larger 'weight' weights it more)"
             )
-        seen.add(model)
+        seen.add(fingerprint)
 
 
 def per_model(path: Path, name: str, entries: list, shared: dict, default: object) -> list[float]:
@@ -369,8 +370,8 @@ def load_merge_config(path: str | Path) -> ConfiguredMerge:
     check_listed_once(path, entries)
     if base is not None and method != "linear":
         bases = Checkpoints()
-        bases.add(base, as_base=True)
-        entries = [entry for entry in entries if bases.find(entry[0]) is None]
+        bases.add(Fingerprint.of(base, as_base=True))
+        entries = [entry for entry in entries if bases.find(Fingerprint.of(entry[0])) is None]
         if not entries:
             raise MergeConfigError(
                 f"{path}: the only model listed is base_model ({base}), which is "

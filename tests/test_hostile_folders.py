@@ -390,7 +390,7 @@ def test_checkpoints_find_the_first_path_the_pairwise_rule_calls_the_same(tmp_pa
     Checkpoints.find reports is the first the pairwise rule matches."""
     import itertools
 
-    from mergekit_loco.merge_checks import Checkpoints
+    from mergekit_loco.merge_checks import Checkpoints, Fingerprint
 
     save_file({"a": torch.ones(4)}, tmp_path / "one.safetensors")
     (tmp_path / "link.safetensors").symlink_to(tmp_path / "one.safetensors")
@@ -415,9 +415,9 @@ def test_checkpoints_find_the_first_path_the_pairwise_rule_calls_the_same(tmp_pa
             *earlier, path = chosen
             seen = Checkpoints()
             for other in earlier:
-                seen.add(other)
+                seen.add(Fingerprint.of(other))
             expected = next((other for other in earlier if pairwise_same(path, other)), None)
-            assert seen.find(path) == expected, chosen
+            assert seen.find(Fingerprint.of(path)) == expected, chosen
             checked += 1
     assert checked == 9 * 8 + 9 * 8 * 7
 
