@@ -10,6 +10,7 @@ Every run is the micro model, R = 4, H = 2, 8 x 32 tokens a step: 4 rounds of 51
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import json
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import time
 import types
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -118,16 +120,25 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def alive_in_group(group_id: int) -> list[int]:
-    """Processes of the process group ``group_id`` still running (zombies do not count)."""
+#: Each launch's processes carry ``LAUNCH_ENV=<its tag>`` in their environment, torchrun's
+#: workers too: torchrun starts each in a session of its own, outside the launch's process
+#: group, so the group alone would miss them (a stopped rank outlived its test that way).
+LAUNCH_ENV = "MLOCO_TEST_LAUNCH"
+
+
+def alive_in_launch(tag: str) -> list[int]:
+    """Processes of the launch ``tag`` still running, in any process group or session
+    (zombies do not count)."""
     alive = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    marker = f"{LAUNCH_ENV}={tag}".encode()
+    for folder in Path("/proc").glob("[0-9]*"):
         try:
-            state, _, group = stat.read_text().rsplit(")", 1)[1].split()[:3]
-        except (OSError, ValueError):
+            state = (folder / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            environment = (folder / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError):
             continue  # exited while we looked
-        if int(group) == group_id and state != "Z":
-            alive.append(int(stat.parent.name))
+        if marker in environment and state != "Z":
+            alive.append(int(folder.name))
     return alive
 
 
@@ -137,19 +148,23 @@ class Finished:
     stdout: str
     stderr: str
     ended: float  # time.time() when it exited
-    group_id: int
+    launch: str  # its LAUNCH_ENV tag
 
 
 def launch(command: list[str], fault: str | None = None, **env: str) -> subprocess.Popen:
-    """Start ``command`` in a new session (its own process group), with ``fault`` as the hook."""
-    environment = {**os.environ, **env}
+    """Start ``command`` in a new session (its own process group), with ``fault`` as the hook
+    and a new :data:`LAUNCH_ENV` tag (``process.launch``)."""
+    tag = uuid.uuid4().hex
+    environment = {**os.environ, **env, LAUNCH_ENV: tag}
     environment.pop(FAULT_ENV, None)
     if fault is not None:
         environment[FAULT_ENV] = fault
-    return subprocess.Popen(
+    process = subprocess.Popen(
         command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
     )  # fmt: skip
+    process.launch = tag
+    return process
 
 
 def finish(process: subprocess.Popen) -> Finished:
@@ -158,17 +173,18 @@ def finish(process: subprocess.Popen) -> Finished:
         stdout, stderr = process.communicate(timeout=PROCESS_GUARD_S)
         ended = time.time()
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        kill_launch(process)
         stdout, stderr = process.communicate()
         pytest.fail(f"{process.args[:6]} hung past {PROCESS_GUARD_S} s:\n{stderr[-3000:]}")
-    return Finished(process.returncode, stdout, stderr, ended, process.pid)
+    return Finished(process.returncode, stdout, stderr, ended, process.launch)
 
 
-def kill_group(process: subprocess.Popen) -> None:
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+def kill_launch(process: subprocess.Popen) -> None:
+    """SIGKILL every process of the launch (:func:`alive_in_launch`: torchrun's workers too, a
+    stopped one included), then reap ``process``."""
+    for pid in [process.pid, *alive_in_launch(process.launch)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     process.wait()
 
 
@@ -180,9 +196,9 @@ def run_to_end(
     process = launch(command, fault, **env)
     try:
         finished = finish(process)
-        return finished, alive_in_group(finished.group_id)
+        return finished, alive_in_launch(finished.launch)
     finally:
-        kill_group(process)
+        kill_launch(process)
 
 
 def run_cli(args: list[str], fault: str | None = None) -> Finished:
@@ -310,9 +326,9 @@ def test_sigterm_to_torchrun_ends_every_process_and_the_resume_matches(corpus, t
         process.send_signal(signal.SIGTERM)
         sent = time.time()
         stopped = finish(process)
-        leftovers = alive_in_group(stopped.group_id)
+        leftovers = alive_in_launch(stopped.launch)
     finally:
-        kill_group(process)
+        kill_launch(process)
     assert leftovers == [], f"processes left running: {leftovers}"
     assert stopped.returncode != 0 and stopped.ended - sent < 10
     assert len(rounds_logged(out)) < rounds, "the run finished before the signal: lengthen it"
@@ -345,7 +361,7 @@ def test_hung_peer_ends_the_other_within_the_timeout_in_one_line(corpus, tmp_pat
         survivor = finish(processes[0])
     finally:
         for process in processes:
-            kill_group(process)
+            kill_launch(process)
     assert survivor.returncode == 1, survivor.stderr[-3000:]
     assert ONE_LINE_ERROR.fullmatch(survivor.stderr), survivor.stderr
     waited = re.search(r"failed after ([\d.]+) ?s", survivor.stderr)
@@ -400,7 +416,7 @@ def test_processes_started_differently_are_refused_before_training(corpus, tmp_p
         results = [finish(process) for process in processes]
     finally:
         for process in processes:
-            kill_group(process)
+            kill_launch(process)
     expected = {
         "option": "error: --outer-lr differs between processes (rank 0: 0.7, rank 1: 0.5); "
         "start every process with the same options\n",
@@ -548,7 +564,7 @@ def test_a_second_process_is_refused_a_run_folder_in_use(corpus, tmp_path, refer
         first.send_signal(signal.SIGCONT)
         finished = finish(first)
     finally:
-        kill_group(first)
+        kill_launch(first)
     assert finished.returncode == 0, finished.stderr[-3000:]
     assert rounds_logged(out) == [1, 2, 3, 4]
     final = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
@@ -577,6 +593,8 @@ def test_a_second_torchrun_launch_into_a_folder_in_use_is_refused_on_every_rank(
                 break
             time.sleep(0.1)
         assert holder is not None, "the first launch's rank 0 never stopped"
+        assert os.getsid(holder) != os.getsid(first.pid)  # torchrun's own session for the rank
+        assert holder in alive_in_launch(first.launch)  # which the launch's tag still finds
         before = snapshot(out)
         second, leftovers = run_to_end([*torchrun_train(), f"--out={out}", "--resume", "--quiet"])
         assert leftovers == []
@@ -591,7 +609,11 @@ def test_a_second_torchrun_launch_into_a_folder_in_use_is_refused_on_every_rank(
         assert errors and set(errors) == {refusal}, second.stderr[-3000:]
         assert snapshot(out) == before
     finally:
-        kill_group(first)
+        kill_launch(first)
+    deadline = time.monotonic() + 10  # SIGKILL ends even the stopped rank (before: it lived on)
+    while alive_in_launch(first.launch) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert alive_in_launch(first.launch) == []
 
 
 # -- checkpoints ---------------------------------------------------------------------------------
@@ -619,7 +641,7 @@ def test_checkpoint_write_killed_half_way_keeps_the_previous_one(corpus, tmp_pat
     try:
         killed = finish(process)
     finally:
-        kill_group(process)
+        kill_launch(process)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert latest_checkpoint(tmp_path).name == "round-000001"
     (staging,) = (tmp_path / "checkpoints").glob(".round-000002.tmp-*")
