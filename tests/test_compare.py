@@ -7,6 +7,7 @@ import importlib.util
 import json
 import math
 import os
+import pickle
 import re
 import shlex
 import signal
@@ -27,6 +28,7 @@ from mergekit_loco.compare.sweep import Cell, Grid, Sweep, cell_config, plan, tr
 from mergekit_loco.io.atomic import LOCK_FILE
 from mergekit_loco.io.lock import FolderInUse
 from mergekit_loco.train.config import preset_config
+from mergekit_loco.train.guards import TrainingFailed
 from mergekit_loco.train.loop import train
 
 TOY = {"model": "micro", "global_batch": 4, "seq_len": 32, "vocab_size": 300, "val_tokens": 1024}
@@ -621,32 +623,44 @@ def test_sigterm_to_a_parallel_sweep_stops_its_workers(tmp_path):
     assert not outlived(workers, 60), "worker processes outlived the sweep"
 
 
+def cell_processes(sweep: int) -> set[int]:
+    """The running processes of the cells of the sweep process ``sweep``."""
+    found = set()
+    for pid in children_of(sweep):
+        try:
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes() and running(pid):
+                found.add(pid)
+        except OSError:  # it ended meanwhile
+            continue
+    return found
+
+
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
-def test_sigterm_to_a_parallel_sweep_with_an_idle_worker_ends_within_seconds(tmp_path):
-    """``kill PID`` of ``mloco compare --jobs 2`` while one worker is idle (its cell ended: here
-    it diverged at once) and the other trains. Before, the idle worker died holding the pool's
-    call-queue lock; the busy one stopped its cell, then blocked on that lock, and the sweep
-    waited its 60 s grace to kill it. Now it exits 130 within seconds, keeping the stopped
-    cell's checkpoint."""
+def test_sigterm_to_a_parallel_sweep_after_a_cell_ended_ends_within_seconds(tmp_path):
+    """``kill PID`` of ``mloco compare --jobs 2`` once one cell has ended (here it diverged at
+    once) while the other trains: the ended cell's process is gone (before, a pool worker
+    waited for work, and died holding the pool's call-queue lock, so the busy one blocked on it
+    after stopping its cell and the sweep waited its 60 s grace to kill it). It exits 130
+    within seconds, keeping the stopped cell's checkpoint."""
     args = parallel_sweep_command(tmp_path)
     args[args.index("--aggregators") + 1] = "diloco"
-    args += ["--outer-lr-grid", "diloco=1e6"]  # diverges in round 1: its worker goes idle
+    args += ["--outer-lr-grid", "diloco=1e6"]  # diverges in round 1: its process ends
     out = tmp_path / "sweep"
     sweep = start_sweep(args, out)
     failed = out / "runs" / "diloco-R2-H2-lr1e+06-s0" / runs.FAILED_FILE
     deadline = time.monotonic() + 120
-    while not failed.exists() and time.monotonic() < deadline:
+    while (not failed.exists() or len(cell_processes(sweep.pid)) > 1) and (
+        time.monotonic() < deadline
+    ):
         assert sweep.poll() is None, sweep.stderr.read()
         time.sleep(0.2)
-    time.sleep(1)  # its worker has sent the outcome and waits for work
-    workers = {pid for pid in children_of(sweep.pid)
-               if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()}  # fmt: skip
-    assert len(workers) == 2, "not one idle and one busy worker"
+    cells = cell_processes(sweep.pid)
+    assert failed.exists() and len(cells) == 1, "not one ended and one training cell"
     sweep.send_signal(signal.SIGTERM)
     try:
         _, stderr = sweep.communicate(timeout=20)
     finally:
-        outlived(workers, 0)
+        outlived(cells, 0)
         sweep.kill()
     assert sweep.returncode == 130, stderr
     assert "interrupted; finished cells are kept" in stderr
@@ -707,13 +721,12 @@ def test_a_cell_process_killed_in_a_parallel_sweep_is_named(tmp_path):
         ({"tsv": -signal.SIGSEGV, "dp": 3}, "the process of cell tsv-R2-H2-s0 died (killed by "
          f"signal {signal.SIGSEGV.value}: {signal.strsignal(signal.SIGSEGV)}); the process of "
          "cell dp-s0 died (exit code 3); the sweep"),
-        ({}, "a sweep worker process died (killed?); the sweep"),
         ({"dp": None}, "the process of cell dp-s0 died (its exit status could not be read); the"),
     ],
 )  # fmt: skip
 def test_death_message_says_which_cell_died_how(exit_codes, said):
     """A cell's process that ends without reporting: by signal (SIGKILL: likely out of memory),
-    by exit code (``os._exit``), or in a process between cells (no cell named)."""
+    by exit code (``os._exit``), or with a status that could not be read."""
     cells = {"tsv": Cell("tsv", 2, 2, 0), "dp": Cell("dp", 1, 2, 0)}
     message = sweeping.death_message({cells[name]: code for name, code in exit_codes.items()})
     assert message.startswith(said)
@@ -721,24 +734,102 @@ def test_death_message_says_which_cell_died_how(exit_codes, said):
                             "their last checkpoint)")  # fmt: skip
 
 
-def test_an_exit_code_is_awaited_while_another_thread_reaps_the_process():
-    """CI once read a dead cell's exitcode as None (the pool's thread was reaping it at that
-    instant) and died on ``None < 0``; the code is now polled until it shows."""
-    import multiprocessing
+#: ``mloco`` whose diloco cell fails with ``{fault}`` before it trains, in its own process: the
+#: file patches run_cell here and, imported by each cell's spawned process (as its main module),
+#: there.
+FAULTY_CELL = """\
+import os, signal, sys
 
-    process = multiprocessing.get_context("spawn").Process(target=os._exit, args=(3,))
-    process.start()
-    assert sweeping.exit_code(process, wait_seconds=60) == 3
+from mergekit_loco.cli import main
+from mergekit_loco.compare import sweep
+from mergekit_loco.train.guards import TrainingFailed
 
-    class NeverReaped:  # a process whose status never shows: None after the wait, no hang
-        exitcode = None
+real_run_cell = sweep.run_cell
 
-        def join(self, timeout):
-            time.sleep(timeout)
 
-    started = time.monotonic()
-    assert sweeping.exit_code(NeverReaped(), wait_seconds=0.2) is None
-    assert time.monotonic() - started < 2
+def run_cell(planned, cell, run_dir, progress=False):
+    if cell.aggregator == "diloco":
+        {fault}
+    return real_run_cell(planned, cell, run_dir, progress)
+
+
+sweep.run_cell = run_cell
+if __name__ == "__main__":
+    main(sys.argv[1:])
+"""
+
+
+def sweep_processes(marker: str) -> set[int]:
+    """The running cell processes whose environment holds ``marker``."""
+    found = set()
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        pid = int(environ.parent.name)
+        try:
+            if marker.encode() in environ.read_bytes().split(b"\0") and (
+                b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+            ):
+                found.add(pid)
+        except OSError:  # another user's, or it ended meanwhile
+            continue
+    return {pid for pid in found if running(pid)}
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+@pytest.mark.parametrize(
+    ("fault", "code", "line"),
+    [
+        ("signal.raise_signal(signal.SIGTERM)", 130, "interrupted; finished cells are kept: run "
+         "the same command to resume"),
+        ("raise TrainingFailed('cell diloco-R2-H2-s0: round 1: OSError: disk full', (0, None), "
+         "'Run the same compare command to go on.')", 1, "cell diloco-R2-H2-s0: round 1: "
+         "OSError: disk full; stopping. No checkpoint was written before it. Run the same "
+         "compare command to go on."),
+    ],
+    ids=["sigterm-before-training", "error"],
+)  # fmt: skip
+def test_a_cell_that_fails_in_its_process_stops_a_parallel_sweep(tmp_path, fault, code, line):
+    """A cell of ``mloco compare --jobs 2`` that fails in its own process while the baseline
+    trains beside it: SIGTERM before training has its handler (tokenizer, data) is the cell's
+    interruption (before, a pool worker's SystemExit, which needed the worker to live on); an
+    error crosses to the sweep with its type and message (as with --jobs 1). The sweep prints
+    that one line, stops the baseline's process and ends with it: none is left."""
+    driver = tmp_path / "faulty_compare.py"
+    driver.write_text(FAULTY_CELL.replace("{fault}", fault))
+    marker = f"MLOCO_TEST_SWEEP={tmp_path}"  # the sweep's processes inherit it
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MLOCO_TEST_SWEEP": str(tmp_path)}
+    command = [sys.executable, str(driver), *parallel_sweep_command(tmp_path)]
+    with open(tmp_path / "stderr.txt", "w") as stderr:  # a file: no pipe to fill or hold open
+        sweep = subprocess.Popen(command, env=env, stderr=stderr)
+    try:
+        sweep.wait(timeout=240)
+        left = sweep_processes(marker)  # as the sweep ends
+    finally:
+        sweep.kill()
+    assert not outlived(left, 0), "cell processes outlived the sweep"
+    stderr = (tmp_path / "stderr.txt").read_text()
+    assert sweep.returncode == code, stderr
+    assert f"error: {line}" in stderr.splitlines()
+    assert "Traceback" not in stderr
+    assert not runs.is_finished(tmp_path / "sweep" / "runs" / "dp-s0")
+
+
+class TwoPartError(Exception):
+    """Pickles, but cannot be unpickled: its ``__init__`` takes two arguments, passes on one."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+
+
+def test_an_error_that_cannot_cross_to_the_sweep_keeps_its_type_name_and_message():
+    """A cell's error crosses to the sweep by pickle: one that would not come back whole is
+    sent as a RuntimeError naming the cell, its type and message; others are sent as they are
+    (type, message and fields)."""
+    cell = Cell("tsv", 2, 2, 0)
+    sent = pickle.loads(pickle.dumps(sweeping.sendable(TwoPartError("ck", "torn"), cell)))
+    assert type(sent) is RuntimeError
+    assert str(sent) == "cell tsv-R2-H2-s0: TwoPartError: ck: torn"
+    failed = TrainingFailed("cell tsv-R2-H2-s0: round 3: OSError: disk full", (2, None), "Rerun.")
+    assert sweeping.sendable(failed, cell) is failed
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
@@ -933,26 +1024,3 @@ def test_a_run_copied_into_a_compare_folder_is_refused(tmp_path, monkeypatch, ca
                    "(diloco-R2-H2-s0) vs 256 (dp-s0)")  # fmt: skip
     code, err, _ = run_cli(capsys, *args)
     assert_refused(code, err, "its runs are not one comparison", "val_tokens", "choose a new -o")
-
-
-def test_a_pool_worker_stopped_outside_training_is_an_interrupted_cell(monkeypatch):
-    """SIGTERM raises SystemExit in a pool worker (so an idle one releases the queue's lock);
-    raised while a cell prepares its data, it is the cell's TrainingInterrupted, which the sweep
-    reports as an interruption (exit 130, one line), not the worker's exit or a traceback."""
-    from mergekit_loco.compare import sweep as sweep_module
-    from mergekit_loco.train.signals import TrainingInterrupted
-
-    def stopped(*args, **kwargs):
-        raise SystemExit(143)
-
-    monkeypatch.setattr(sweep_module, "run_cell", stopped)
-    monkeypatch.setattr(sweep_module, "_cell_pids", [0])
-    cell = sweep_module.Cell("diloco", 2, 2, 0)
-    previous = signal.getsignal(signal.SIGTERM)
-    try:
-        with pytest.raises(TrainingInterrupted, match="stopped before it trained"):
-            sweep_module._run_cell_alone(None, cell, None, 1, os.getppid(), 0)
-        assert signal.getsignal(signal.SIGTERM) is sweep_module.exit_on_sigterm  # lives on
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    assert sweep_module._cell_pids == [os.getpid()]

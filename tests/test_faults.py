@@ -875,8 +875,8 @@ def test_a_compare_cell_out_of_memory_says_to_rerun_compare(
     )
 
 
-def test_a_training_failure_survives_the_trip_from_a_pool_process():
-    """A compare cell under --jobs 2 fails in a pool process, and its TrainingFailed crosses to
+def test_a_training_failure_survives_the_trip_from_a_cell_process():
+    """A compare cell under --jobs 2 fails in its own process, and its TrainingFailed crosses to
     the sweep by pickle: a round trip (here, in one process) keeps the line and the fields."""
     failed = TrainingFailed("cell c: round 3: OSError: disk full", (2, Path("ck")), "Rerun.")
     back = pickle.loads(pickle.dumps(failed))

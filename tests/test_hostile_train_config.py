@@ -266,7 +266,8 @@ def test_a_message_of_two_options_names_each_as_given(capsys, tmp_path):
 
 
 def test_an_option_error_survives_a_process_boundary():
-    """compare builds cell configs in pool processes: the error must pickle, names and all."""
+    """An error of a compare cell crosses from the cell's process to the sweep by pickle: this
+    one must arrive whole, names and all."""
     with pytest.raises(OptionError) as refused:
         preset_config(global_batch=6, workers=4)
     copy = pickle.loads(pickle.dumps(refused.value))

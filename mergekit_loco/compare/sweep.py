@@ -16,16 +16,16 @@ import math
 import multiprocessing
 import multiprocessing.connection
 import os
+import pickle
 import shutil
 import signal
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Mapping, Sequence
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
-from multiprocessing.process import BaseProcess
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +61,7 @@ from mergekit_loco.train.run_folder import run_inputs
 from mergekit_loco.train.signals import TrainingInterrupted
 from mergekit_loco.train.sources import BUILTIN_SOURCES
 
-#: The most cells trained at once (one process each; a huge count overflowed the pool's queue).
+#: The most cells trained at once (one process each).
 MAX_JOBS = 1024
 
 
@@ -301,37 +301,44 @@ def check_same_run(config: TrainConfig, run_dir: Path) -> None:
         )
 
 
-#: In a pool worker: the shared array where each cell writes the PID of the process that runs it,
-#: at the cell's slot (:func:`start_worker`), so the sweep can name a cell whose process died.
-_cell_pids: ctypes.Array | None = None
+def cell_process(
+    sweep: Sweep, cell: Cell, run_dir: Path, threads: int, parent: int, report: Connection
+) -> None:
+    """The body of a cell's own process (:class:`CellProcess`): :func:`die_with_parent`,
+    ``threads`` torch threads, :func:`run_cell`, then its outcome, or the error it raised (with
+    this process's traceback as a note, which ``--debug`` shows), sent to the sweep process
+    ``parent`` through ``report``. A SIGTERM outside training's own handler (tokenizer, data,
+    cleanup) is the cell's :class:`TrainingInterrupted`, as one inside it is."""
 
+    def stopped(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once is enough: the cell reports, ends
+        raise TrainingInterrupted(f"{cell.name}: stopped before it trained")
 
-def start_worker(parent: int, cell_pids: ctypes.Array) -> None:
-    """Pool initializer: :func:`die_with_parent`, and keep the sweep's ``cell_pids`` array."""
-    global _cell_pids
-    _cell_pids = cell_pids
-    die_with_parent(parent)
-
-
-def _run_cell_alone(
-    sweep: Sweep, cell: Cell, run_dir: Path, threads: int, parent: int, slot: int
-) -> str:
-    """:func:`run_cell` in a pool process, with ``threads`` torch threads, after writing this
-    process's PID at ``slot`` of the sweep's cell PIDs. If the sweep process ``parent`` died
-    meanwhile (its SIGTERM stopped the cell, :func:`die_with_parent`), the worker ends with the
-    cell: no one is left to take its result or give it another. A SIGTERM outside training's
-    own handler (:func:`exit_on_sigterm`: tokenizer, data, cleanup) is the cell's
-    :class:`TrainingInterrupted`, as one inside it is."""
-    torch.set_num_threads(threads)
     try:
-        _cell_pids[slot] = os.getpid()
-        return run_cell(sweep, cell, run_dir)
-    except SystemExit:
-        signal.signal(signal.SIGTERM, exit_on_sigterm)  # the worker lives on, to be stopped
-        raise TrainingInterrupted(f"{cell.name}: stopped before it trained") from None
-    finally:
-        if os.getppid() != parent:
-            os._exit(128 + signal.SIGTERM)
+        die_with_parent(parent)
+        signal.signal(signal.SIGTERM, stopped)
+        torch.set_num_threads(threads)
+        result: str | BaseException = run_cell(sweep, cell, run_dir)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the cell has ended: report, then exit
+    except BaseException as error:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # nor may a SIGTERM cut the report short
+        result = sendable(error, cell)
+        result.add_note(f"in the process of cell {cell.name}: {traceback.format_exc()}")
+    with contextlib.suppress(BrokenPipeError):  # the sweep died: no one is left to tell
+        report.send(result)
+
+
+def sendable(error: BaseException, cell: Cell) -> BaseException:
+    """``error`` if pickle carries it to the sweep whole (same type and message), else a
+    RuntimeError naming ``cell``, its type and message (an exception whose ``__init__`` takes
+    other arguments than it passes on, say, cannot be unpickled)."""
+    try:
+        back = pickle.loads(pickle.dumps(error))
+    except Exception:  # whatever pickling or unpickling it raises
+        back = None
+    if type(back) is type(error) and str(back) == str(error):
+        return error
+    return RuntimeError(f"cell {cell.name}: {type(error).__name__}: {error}")
 
 
 class CellDied(RuntimeError):
@@ -445,8 +452,10 @@ def run_cells(
     sweep: Sweep, cells: list[Cell], runs_dir: Path, jobs: int, console: Console, progress: bool
 ) -> None:
     """Run every unfinished cell into ``runs_dir`` (a finished one must be of this sweep):
-    ``jobs`` at a time, each in its own pool process (:func:`die_with_parent`) with
-    ``cpu_count / jobs`` threads; each cell's training holds its own run folder's lock. A cell
+    ``jobs`` at a time, each in a process of its own (:class:`CellProcess`) with ``cpu_count /
+    jobs`` threads, started in order as others end; each cell's training holds its own run
+    folder's lock. A cell's error is raised here, once the other cells are stopped
+    (:func:`stop_cells`), as is a stop of the sweep (SIGTERM: :func:`stopped_by_sigterm`). A cell
     whose process dies without reporting (killed, e.g. out of memory, or crashed) stops the
     sweep, as a stop does (:class:`CellDied`): it is not a failed cell, and at the same ``jobs``
     the next one would likely die too."""
@@ -475,59 +484,74 @@ def run_cells(
             done(count, cell, run_cell(sweep, cell, runs_dir / cell.name, progress))
         return
     threads = max(1, (os.cpu_count() or 1) // jobs)
-    context = multiprocessing.get_context("spawn")
-    sweep_pid = os.getpid()
-    cell_pids = context.RawArray("q", len(todo))  # at each cell's slot: its index in todo
-    pool = ProcessPoolExecutor(
-        jobs, mp_context=context, initializer=start_worker, initargs=(sweep_pid, cell_pids)
-    )
-    workers = pool._processes  # PID -> process, as the pool starts them
-    dead = None
-    with pool, stopped_by_sigterm():
-        waiting, running, count = list(reversed(list(enumerate(todo)))), {}, 0
+    waiting, running, count = list(reversed(todo)), [], 0
+    with stopped_by_sigterm():
         try:
             while waiting or running:
-                while waiting and len(running) < jobs:  # no cell queued behind the jobs
-                    slot, cell = waiting.pop()
-                    job = pool.submit(_run_cell_alone, sweep, cell, runs_dir / cell.name,
-                                      threads, sweep_pid, slot)  # fmt: skip
-                    running[job] = slot, cell
-                finished, _ = wait(running, return_when=FIRST_COMPLETED)
-                for job in finished:
-                    outcome = job.result()  # the cell stays running if its process died
+                while waiting and len(running) < jobs:  # first in, first started
+                    cell = waiting.pop()
+                    running.append(CellProcess(sweep, cell, runs_dir / cell.name, threads))
+                ended = wait_for_cells(running)
+                dead = {job.cell: job.process.exitcode for job in ended if job.report is None}
+                if dead:
+                    raise CellDied(death_message(dead))
+                for job in ended:
+                    running.remove(job)
                     count += 1
-                    done(count, running.pop(job)[1], outcome)
-        except BrokenProcessPool:  # a process died; the pool sent the others SIGTERM
-            cells = {cell_pids[slot]: cell for slot, cell in running.values()}
-            dead = ended_cells(cells, workers)
-            stop_workers(pool)
+                    done(count, job.cell, job.outcome())  # raises the cell's error
         except BaseException:
-            stop_workers(pool)
+            stop_cells(running)
             raise
-    if dead is not None:  # read once the pool has ended
-        raise CellDied(death_message({cell: exit_code(workers[pid]) for pid, cell in dead}))
 
 
-def exit_code(process: BaseProcess, wait_seconds: float = 5.0) -> int | None:
-    """``process``'s exit code, once known: the pool's own thread may be reaping the process
-    at that very moment (then ``exitcode`` reads None for an instant, which CI once caught),
-    so it is polled for up to ``wait_seconds``; None if it never shows."""
-    deadline = time.monotonic() + wait_seconds
-    while process.exitcode is None and time.monotonic() < deadline:
-        process.join(0.05)
-    return process.exitcode
+class CellProcess:
+    """A cell training in its own spawned process (:func:`cell_process`), and what that process
+    reported: the cell's outcome or error; None until then, or if it ended without reporting."""
+
+    def __init__(self, sweep: Sweep, cell: Cell, run_dir: Path, threads: int) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.cell = cell
+        self.report: str | BaseException | None = None
+        self.reader, writer = context.Pipe(duplex=False)
+        self.process = context.Process(
+            target=cell_process,
+            args=(sweep, cell, run_dir, threads, os.getpid(), writer),
+            name=f"mloco cell {cell.name}",
+        )
+        self.process.start()
+        writer.close()  # the cell's process holds the other copy: the pipe ends with it
+
+    def receive(self) -> None:
+        """Take the report, if one came (call once the pipe or the process is ready)."""
+        if self.reader.closed:
+            return
+        if self.reader.poll():
+            with contextlib.suppress(EOFError):  # the process ended without reporting
+                self.report = self.reader.recv()
+        self.reader.close()
+
+    def outcome(self) -> str:
+        """The cell's outcome (:func:`run_cell`); raises the error the cell raised."""
+        if isinstance(self.report, BaseException):
+            raise self.report
+        return self.report
 
 
-def ended_cells(
-    cells: Mapping[int, Cell], workers: Mapping[int, BaseProcess]
-) -> list[tuple[int, Cell]]:
-    """The ``(pid, cell)`` of ``cells`` (PID -> cell) whose worker process has ended. Called
-    as the pool breaks, it finds the cells whose process died: the SIGTERM the pool sends the
-    others stops their cells but does not end their processes."""
-    by_sentinel = {workers[pid].sentinel: (pid, cell) for pid, cell in cells.items()
-                   if pid in workers}  # fmt: skip
-    ended = multiprocessing.connection.wait(list(by_sentinel), timeout=0)
-    return [by_sentinel[sentinel] for sentinel in ended]
+def wait_for_cells(running: Sequence[CellProcess]) -> list[CellProcess]:
+    """Wait until some of the ``running`` cells' processes end, and return those, joined (their
+    exit codes are then known). Reports are read as they come: one larger than the pipe holds
+    would keep its process from ending until read."""
+    while True:
+        readers = [job.reader for job in running if not job.reader.closed]
+        ready = multiprocessing.connection.wait(readers + [job.process.sentinel for job in running])
+        for job in running:
+            if job.reader in ready or job.process.sentinel in ready:
+                job.receive()
+        ended = [job for job in running if job.process.sentinel in ready]
+        for job in ended:
+            job.process.join()
+        if ended:
+            return ended
 
 
 def death_message(exit_codes: Mapping[Cell, int | None]) -> str:
@@ -545,10 +569,9 @@ def death_message(exit_codes: Mapping[Cell, int | None]) -> str:
         else:
             how = f"exit code {code}"
         deaths.append(f"the process of cell {cell.name} died ({how})")
-    said = "; ".join(deaths) or "a sweep worker process died (killed?)"
     return (
-        f"{said}; the sweep stopped. Finished cells are kept: run the same command to resume "
-        "(unfinished cells continue from their last checkpoint)"
+        f"{'; '.join(deaths)}; the sweep stopped. Finished cells are kept: run the same command "
+        "to resume (unfinished cells continue from their last checkpoint)"
     )
 
 
@@ -574,18 +597,13 @@ PR_SET_PDEATHSIG = 1
 
 
 def die_with_parent(parent: int) -> None:
-    """Pool initializer: Linux sends this worker SIGTERM when the sweep process ``parent``
-    dies, even by SIGKILL or the OOM killer (an orphan would finish its cell in the sweep, then
-    wait forever for work, racing a rerun). SIGTERM, as :func:`stop_workers` sends, not
-    SIGKILL: the cell stops at its next inner step, a checkpoint being written is completed,
-    and the worker ends (:func:`_run_cell_alone`); an idle worker ends at once. Ends at once
-    too if the sweep died before the request was made. The signal follows the thread that
-    started the worker: :func:`run_cells`' thread, which outlives the pool.
-
-    Outside a cell, SIGTERM raises SystemExit (:func:`exit_on_sigterm`) instead of killing:
-    an idle worker holds the lock of the pool's call queue while it waits for work, and only
-    an exception releases it (killed, it left the busy worker blocked on that lock once its
-    cell stopped, until :func:`stop_workers` gave up on it a minute later)."""
+    """In a cell's process: Linux sends it SIGTERM when the sweep process ``parent`` dies, even
+    by SIGKILL or the OOM killer (an orphan would train its cell on in the sweep's folders,
+    racing a rerun). SIGTERM, as :func:`stop_cells` sends, not SIGKILL: the cell stops at its
+    next inner step, a checkpoint being written is completed, and the process ends
+    (:func:`cell_process`). Ends at once too if the sweep died before the request was made.
+    The signal follows the thread that started the process: :func:`run_cells`' thread, which
+    outlives the cells."""
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
@@ -593,39 +611,27 @@ def die_with_parent(parent: int) -> None:
             raise OSError(error, f"prctl(PR_SET_PDEATHSIG): {os.strerror(error)}")
         if os.getppid() != parent:
             signal.raise_signal(signal.SIGTERM)
-    signal.signal(signal.SIGTERM, exit_on_sigterm)
 
 
-def exit_on_sigterm(signum: int, frame: object) -> None:
-    """A pool worker's SIGTERM handler: ``raise SystemExit(128 + signum)`` (exit status 143,
-    no traceback); a cell's training replaces it while it runs. Further SIGTERMs are ignored
-    while the worker exits (a broken pool and the sweep each send one; the second, raised in an
-    exit handler, printed a traceback); :func:`_run_cell_alone` restores it if the worker lives
-    on."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise SystemExit(128 + signum)
-
-
-def stop_workers(pool: ProcessPoolExecutor, grace_seconds: float = 60.0) -> None:
-    """SIGTERM to every worker: its cell stops at the next inner step, keeping its last
-    checkpoint, and an idle worker ends at once (:func:`die_with_parent`); a worker still alive
-    after ``grace_seconds`` is killed. No worker outlives the sweep (a rerun would race it in
-    the same folders)."""
-    processes = list(getattr(pool, "_processes", {}).values())
-    for process in processes:
-        process.terminate()
-    pool.shutdown(wait=False, cancel_futures=True)  # each worker exits once its cell has stopped
+def stop_cells(running: Sequence[CellProcess], grace_seconds: float = 60.0) -> None:
+    """SIGTERM to every running cell's process: its cell stops at the next inner step, keeping
+    its last checkpoint, and the process ends (:func:`cell_process`); one still alive after
+    ``grace_seconds`` is killed. No report is awaited (closed, a pipe cannot hold a process
+    up). No cell's process outlives the sweep (a rerun would race it in the same folders)."""
+    for job in running:
+        job.reader.close()
+        job.process.terminate()
     deadline = time.monotonic() + grace_seconds
-    for process in processes:
-        process.join(max(0.0, deadline - time.monotonic()))
-        if process.is_alive():
-            process.kill()
+    for job in running:
+        job.process.join(max(0.0, deadline - time.monotonic()))
+        if job.process.is_alive():
+            job.process.kill()
 
 
 @contextlib.contextmanager
 def stopped_by_sigterm():
     """SIGTERM raises KeyboardInterrupt here, as Ctrl-C does (main thread only), so a sweep
-    that is terminated stops its workers instead of dying without them."""
+    that is terminated stops its cells' processes instead of dying without them."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
