@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-import numbers
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from mergekit_loco.io.files import MAX_JSON_BYTES, UnsafeInputError, read_json, 
 from mergekit_loco.io.hf import check_hf_folder
 from mergekit_loco.run_layout import CONFIG, FINAL
 from mergekit_loco.train.data import NotEnoughData, evaluate_loss, prepare_data
+from mergekit_loco.train.diloco import is_int
 from mergekit_loco.train.model import check_seq_len, load_pretrained
 from mergekit_loco.train.sources import BUILTIN_SOURCES, split_sources
 from mergekit_loco.train.tokenizer import TOKENIZER_FILES, load_tokenizer
@@ -207,7 +207,7 @@ def check_request(
         if isinstance(given, str | Path):
             raise TypeError(f"{name}: a list ([{str(given)!r}, ...]), not one {name[:-1]}")
     for name, count in (("tokens", tokens), ("seq_len", seq_len), ("val_sets", val_sets)):
-        if not isinstance(count, numbers.Integral) or isinstance(count, bool):
+        if not is_int(count):
             raise TypeError(f"{name} must be an int, not {count!r}")
     if not models or not datasets:
         raise ValueError("give at least one model and one dataset (--data)")
@@ -237,11 +237,7 @@ def evaluate_models(
     (:func:`val_set_spreads`) is the noise of a ``tokens``-token evaluation. ``progress``: a
     bar per evaluation on a terminal (:func:`eval_progress`)."""
     check_request(models, datasets, tokens, seq_len, val_sets)
-    if (
-        isinstance(batch_size, bool)
-        or not isinstance(batch_size, numbers.Integral)
-        or batch_size < 1
-    ):
+    if not is_int(batch_size) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
     device = resolve_device(device)
     results = []
