@@ -23,7 +23,7 @@ from mergekit_loco.cli.common import (
 )
 from mergekit_loco.console import output_console
 from mergekit_loco.run_layout import check_output_parent, check_run_folder_name
-from mergekit_loco.train.config_sections import OptionError
+from mergekit_loco.train.config_sections import OptionError, flag_name
 
 MODES = ("aggregators", "merge")
 #: A cell's training options (flat names) -> the compare flag that sets them.
@@ -312,7 +312,7 @@ def compare_command(
             sweep, output, jobs=jobs, console=console, progress=not quiet, figures=figures
         )
     except OptionError as error:  # a cell's config refused: named by compare's flags
-        names = {key: "--" + key.replace("_", "-") for key in given} | CELL_OPTIONS
+        names = {key: flag_name(key) for key in given} | CELL_OPTIONS
         raise ValueError(error.named(names)) from None
     except (KeyboardInterrupt, TrainingInterrupted):
         print_error("interrupted; finished cells are kept: run the same command to resume")

@@ -37,7 +37,7 @@ from mergekit_loco.train.config import (
     read_options,
     resolve_config,
 )
-from mergekit_loco.train.config_sections import OptionError
+from mergekit_loco.train.config_sections import OptionError, flag_name
 
 #: --threads at most this many times the CPUs: torch starts every thread it is given.
 THREADS_PER_CPU = 4
@@ -352,7 +352,7 @@ def train_command(
     try:
         run_config = resolve_config(config, **flags)
     except OptionError as error:  # named as typed: --global-batch, global_batch in run.toml
-        names = {key: "--" + key.replace("_", "-") for key in flags}
+        names = {key: flag_name(key) for key in flags}
         raise ValueError(error.named(names | given_options(config, **flags))) from None
     check_run_folder_name(Path(run_config.run.out), "--out")
     if run_config.checkpoint.resume:

@@ -36,6 +36,7 @@ from mergekit_loco.train.config_sections import (
     OuterConfig,
     RunConfig,
     bad_value,
+    flag_name,
 )
 
 #: The seed paper's tuned 178M, R = 8 values, as changes to the sections' defaults (which are
@@ -463,7 +464,7 @@ def without_folder_actions(
         if from_file.get(key):
             raise ValueError(
                 f"{key} in {shown(config_file)}: a config file cannot say what to do with the run "
-                f"folder; pass --{key.replace('_', '-')} instead"
+                f"folder; pass {flag_name(key)} instead"
             )
     return {key: value for key, value in from_file.items() if key not in FOLDER_ACTIONS}
 
@@ -474,7 +475,7 @@ def option_names(
     """Each option the user set (by its flat name), named as they wrote it: ``--outer-lr`` for
     a flag (which wins), ``outer-lr in FILE`` for a key of the config file."""
     names = {key.replace("-", "_"): f"{key} in {shown(Path(config_file))}" for key in from_file}
-    return names | {key: f"--{key.replace('_', '-')}" for key in flags}
+    return names | {key: flag_name(key) for key in flags}
 
 
 def read_options(

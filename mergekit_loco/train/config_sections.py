@@ -17,6 +17,11 @@ DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_TOKENS = 2_000_000
 
 
+def flag_name(option: str) -> str:
+    """The command-line flag of a flat option name: ``global_batch`` -> ``--global-batch``."""
+    return "--" + option.replace("_", "-")
+
+
 class OptionError(ValueError):
     """A bad value of the options ``options`` (flat names). ``template`` refers to them as
     ``{0}``, ``{1}`` and to ``values`` by name; ``str()`` shows the flat names (``global_batch

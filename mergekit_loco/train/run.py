@@ -35,6 +35,7 @@ from mergekit_loco.train.checkpoint import (
     worker_file,
 )
 from mergekit_loco.train.config import TrainConfig
+from mergekit_loco.train.config_sections import flag_name
 from mergekit_loco.train.data import (
     BatchStream,
     NotEnoughData,
@@ -351,7 +352,7 @@ def check_same_options(config: TrainConfig, group: WorkerGroup) -> None:
         for key in sorted(set(everyone[0]) | set(theirs)):
             if theirs.get(key) != everyone[0].get(key):
                 raise ValueError(
-                    f"--{key.replace('_', '-')} differs between processes (rank 0: "
+                    f"{flag_name(key)} differs between processes (rank 0: "
                     f"{bounded(everyone[0].get(key))}, rank {rank}: {bounded(theirs.get(key))}); "
                     "start every process with the same options"
                 )

@@ -52,6 +52,7 @@ from mergekit_loco.train.checkpoint import (
     round_of,
 )
 from mergekit_loco.train.config import TrainConfig, float_or_none
+from mergekit_loco.train.config_sections import flag_name
 from mergekit_loco.train.sources import cache_root, split_sources
 from mergekit_loco.train.workers import WorkerGroup
 
@@ -140,9 +141,7 @@ def check_fixed_on_resume(
     if not changed:
         return
     kind = "DiLoCo" if saved.run.mode == "diloco" else "data-parallel"
-    flags = ", ".join(
-        f"--{name.replace('_', '-')} {theirs[name]} -> {mine[name]}" for name in changed
-    )
+    flags = ", ".join(f"{flag_name(name)} {theirs[name]} -> {mine[name]}" for name in changed)
     raise ValueError(
         f"{checkpoint} holds a {kind} run of {saved.run.workers} workers (model "
         f"{saved.model.name}, {saved.inner.optimizer} inner optimizer), rounds of "
