@@ -10,8 +10,6 @@ Every run is the micro model, R = 4, H = 2, 8 x 32 tokens a step: 4 rounds of 51
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import errno
 import json
 import os
@@ -19,21 +17,21 @@ import pickle
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 import types
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import hostile
+import launches
 import pytest
 import torch
 from conftest import stdlib_corpus
 from fault_hook import FAULT_ENV, install
 from hostile import snapshot
+from launches import GUARD_S, Finished, alive_in_launch, finish, free_port, kill_launch
 from safetensors.torch import load_file
 
 from mergekit_loco.cli import main
@@ -55,8 +53,6 @@ TINY = dict(
 )  # fmt: skip
 TORCHRUN_TIMEOUT_S = 20
 HANG_TIMEOUT_S = 10
-#: wall-clock guard of every subprocess: past it the test fails instead of hanging
-PROCESS_GUARD_S = 120
 ONE_LINE_ERROR = re.compile(r"error: [^\n]+\n")
 #: ``mloco`` with the fault of MLOCO_FAULT_AT installed
 LAUNCHER = str(Path(__file__).with_name("fault_launcher.py"))
@@ -114,85 +110,21 @@ def checkpoint_names(out: Path) -> list[str]:
 
 
 # -- real processes ------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-#: Each launch's processes carry ``LAUNCH_ENV=<its tag>`` in their environment, torchrun's
-#: workers too: torchrun starts each in a session of its own, outside the launch's process
-#: group, so the group alone would miss them (a stopped rank outlived its test that way).
-LAUNCH_ENV = "MLOCO_TEST_LAUNCH"
-
-
-def alive_in_launch(tag: str) -> list[int]:
-    """Processes of the launch ``tag`` still running, in any process group or session
-    (zombies do not count)."""
-    alive = []
-    marker = f"{LAUNCH_ENV}={tag}".encode()
-    for folder in Path("/proc").glob("[0-9]*"):
-        try:
-            state = (folder / "stat").read_text().rsplit(")", 1)[1].split()[0]
-            environment = (folder / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError):
-            continue  # exited while we looked
-        if marker in environment and state != "Z":
-            alive.append(int(folder.name))
-    return alive
-
-
-@dataclasses.dataclass
-class Finished:
-    returncode: int
-    stdout: str
-    stderr: str
-    ended: float  # time.time() when it exited
-    launch: str  # its LAUNCH_ENV tag
-
-
 def launch(command: list[str], fault: str | None = None, **env: str) -> subprocess.Popen:
-    """Start ``command`` in a new session (its own process group), with ``fault`` as the hook
-    and a new :data:`LAUNCH_ENV` tag (``process.launch``)."""
-    tag = uuid.uuid4().hex
-    environment = {**os.environ, **env, LAUNCH_ENV: tag}
+    """:func:`launches.launch` of ``command`` with ``fault`` as the hook (none by default) and
+    ``env`` added to this process's environment."""
+    environment = {**os.environ, **env}
     environment.pop(FAULT_ENV, None)
     if fault is not None:
         environment[FAULT_ENV] = fault
-    process = subprocess.Popen(
-        command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    process.launch = tag
-    return process
-
-
-def finish(process: subprocess.Popen) -> Finished:
-    """Wait for ``process`` (at most PROCESS_GUARD_S, else fail the test after killing it)."""
-    try:
-        stdout, stderr = process.communicate(timeout=PROCESS_GUARD_S)
-        ended = time.time()
-    except subprocess.TimeoutExpired:
-        kill_launch(process)
-        stdout, stderr = process.communicate()
-        pytest.fail(f"{process.args[:6]} hung past {PROCESS_GUARD_S} s:\n{stderr[-3000:]}")
-    return Finished(process.returncode, stdout, stderr, ended, process.launch)
-
-
-def kill_launch(process: subprocess.Popen) -> None:
-    """SIGKILL every process of the launch (:func:`alive_in_launch`: torchrun's workers too, a
-    stopped one included), then reap ``process``."""
-    for pid in [process.pid, *alive_in_launch(process.launch)]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    process.wait()
+    return launches.launch(command, environment)
 
 
 def run_to_end(
     command: list[str], fault: str | None = None, **env: str
 ) -> tuple[Finished, list[int]]:
-    """Run ``command`` (:func:`launch`) until it exits; then the PIDs of its process group still
-    alive, before the group is killed."""
+    """Run ``command`` (:func:`launch`) until it exits; then the PIDs of its launch still alive,
+    before they are killed."""
     process = launch(command, fault, **env)
     try:
         finished = finish(process)
@@ -319,7 +251,7 @@ def test_sigterm_to_torchrun_ends_every_process_and_the_resume_matches(corpus, t
     flags = [*cli_flags(corpus, out), f"--tokens={tokens}", "--checkpoint-every=1"]
     process = launch([*torchrun_train(), *flags])
     try:
-        deadline = time.monotonic() + PROCESS_GUARD_S
+        deadline = time.monotonic() + GUARD_S
         while not (out / "checkpoints" / "latest").exists() and time.monotonic() < deadline:
             assert process.poll() is None, process.communicate()[1][-3000:]
             time.sleep(0.05)
@@ -546,7 +478,7 @@ def test_a_second_process_is_refused_a_run_folder_in_use(corpus, tmp_path, refer
     flags = [*cli_flags(corpus, out), "--checkpoint-every=1"]
     first = launch([sys.executable, LAUNCHER, "train", *flags], fault="0:2:1:STOP")
     try:
-        deadline = time.monotonic() + PROCESS_GUARD_S
+        deadline = time.monotonic() + GUARD_S
         while process_state(first.pid) != "T" and time.monotonic() < deadline:
             assert first.poll() is None, first.communicate()[1][-3000:]
             time.sleep(0.1)
@@ -583,7 +515,7 @@ def test_a_second_torchrun_launch_into_a_folder_in_use_is_refused_on_every_rank(
     command[command.index(f"--timeout={TORCHRUN_TIMEOUT_S}")] = "--timeout=600"  # rank 1 waits
     first = launch(command, fault="0:2:1:STOP")
     try:
-        deadline = time.monotonic() + PROCESS_GUARD_S
+        deadline = time.monotonic() + GUARD_S
         holder = None
         while time.monotonic() < deadline:
             assert first.poll() is None, first.communicate()[1][-3000:]

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import stdlib_corpus
+from launches import free_port, run_launch
 from safetensors.torch import load_file
 from torch.optim.lr_scheduler import LambdaLR
 
@@ -32,12 +31,6 @@ def load_example():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def rounds_by_hand(example, aggregator: str, workers: int = 2) -> dict[str, torch.Tensor]:
@@ -85,8 +78,7 @@ def test_example_under_torchrun_equals_rounds_by_hand(tmp_path, aggregator):
         "--aggregator", aggregator, "--steps", str(STEPS), "--sync-every", str(SYNC_EVERY),
         "--out", str(tmp_path),
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    done = run_launch(command, {**os.environ, "OMP_NUM_THREADS": "1"}, guard_s=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"{aggregator}: round losses" in done.stdout
     assert "loss_type" not in done.stderr  # transformers' warning on every rank, before

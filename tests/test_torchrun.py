@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import stdlib_corpus
+from launches import free_port, run_launch
 from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
@@ -37,12 +36,6 @@ def corpus(tmp_path_factory) -> Iterator[str]:
         yield corpus
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def final_params(out: Path) -> dict[str, torch.Tensor]:
     model = LlamaForCausalLM.from_pretrained(out / "final")
     return {name: p.detach() for name, p in model.named_parameters()}
@@ -56,8 +49,7 @@ def run_torchrun(out: Path, corpus: str, *extra: str, options: dict = FLAGS) -> 
         "-m", "mergekit_loco", "train", *flags, f"--data={corpus}", f"--out={out}",
         "--quiet", "--timeout=120", *extra,
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    launched = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400)
+    launched = run_launch(command, {**os.environ, "OMP_NUM_THREADS": "1"}, guard_s=400)
     assert launched.returncode == 0, launched.stderr[-3000:]
 
 
@@ -123,11 +115,10 @@ def test_a_torchrun_checkpoint_resumes_in_one_process_with_a_note(corpus, tmp_pa
     out = tmp_path / "run"
     run_torchrun(out, corpus, "--preset=diloco", "--checkpoint-every=1", "--stop-after=2")
     assert not (out / "final").exists()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    resumed = subprocess.run(
+    resumed = run_launch(
         [sys.executable, "-m", "mergekit_loco", "train", f"--out={out}", "--resume",
          f"--data={corpus}"],
-        env=env, capture_output=True, text=True, timeout=400,
+        {**os.environ, "OMP_NUM_THREADS": "1"}, guard_s=400,
     )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert (
