@@ -734,6 +734,41 @@ def test_death_message_says_which_cell_died_how(exit_codes, said):
                             "their last checkpoint)")  # fmt: skip
 
 
+def ended_job(name: str, report: str | BaseException | None, exit_code: int = 0):
+    """A cell's process as :func:`sweeping.settle` sees it once it has ended."""
+    job = types.SimpleNamespace(cell=Cell(name, 2, 2, 0), report=report,
+                                process=types.SimpleNamespace(exitcode=exit_code))  # fmt: skip
+    job.outcome = lambda: sweeping.CellProcess.outcome(job)
+    return job
+
+
+@pytest.mark.parametrize("finished_first", [True, False])
+@pytest.mark.parametrize(
+    ("other", "raised"),
+    [
+        (ended_job("tsv", None, -signal.SIGKILL), sweeping.CellDied),
+        (ended_job("tsv", TrainingFailed("round 3: OSError", (2, None), "rerun")), TrainingFailed),
+    ],
+)
+def test_a_cell_that_ends_beside_a_dead_or_failed_one_is_still_told(other, raised, finished_first):
+    """Two cells' processes end in the same wait: one finished, one died (or failed). The
+    finished one gets its progress line first, then the sweep stops (before: the death or
+    error was raised first and the finished cell went untold), whichever order they end in."""
+    finished = ended_job("diloco", "ran")
+    told = []
+    with pytest.raises(raised):
+        ended = [finished, other] if finished_first else [other, finished]
+        sweeping.settle(ended, lambda cell, outcome: told.append((cell.name, outcome)))
+    assert told == [("diloco-R2-H2-s0", "ran")]
+
+
+def test_cells_that_all_finish_in_one_wait_are_each_told_once_in_order():
+    told = []
+    jobs = [ended_job("diloco", "ran"), ended_job("tsv", "resumed")]
+    sweeping.settle(jobs, lambda cell, outcome: told.append((cell.name, outcome)))
+    assert told == [("diloco-R2-H2-s0", "ran"), ("tsv-R2-H2-s0", "resumed")]
+
+
 #: ``mloco`` whose diloco cell fails with ``{fault}`` before it trains, in its own process: the
 #: file patches run_cell here and, imported by each cell's spawned process (as its main module),
 #: there.

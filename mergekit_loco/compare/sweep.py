@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -469,9 +469,11 @@ def run_cells(
     console.print(
         f"{len(cells)} cells, {len(cells) - len(todo)} finished before, {len(todo)} to run"
     )
-    started = time.perf_counter()
+    started, count = time.perf_counter(), 0
 
-    def done(count: int, cell: Cell, outcome: str) -> None:
+    def done(cell: Cell, outcome: str) -> None:
+        nonlocal count
+        count += 1
         loss = load_run(runs_dir / cell.name).val_loss
         elapsed = time.perf_counter() - started
         console.print(
@@ -480,11 +482,11 @@ def run_cells(
         )
 
     if jobs == 1:
-        for count, cell in enumerate(todo, start=1):
-            done(count, cell, run_cell(sweep, cell, runs_dir / cell.name, progress))
+        for cell in todo:
+            done(cell, run_cell(sweep, cell, runs_dir / cell.name, progress))
         return
     threads = max(1, (os.cpu_count() or 1) // jobs)
-    waiting, running, count = list(reversed(todo)), [], 0
+    waiting, running = list(reversed(todo)), []
     with stopped_by_sigterm():
         try:
             while waiting or running:
@@ -492,16 +494,27 @@ def run_cells(
                     cell = waiting.pop()
                     running.append(CellProcess(sweep, cell, runs_dir / cell.name, threads))
                 ended = wait_for_cells(running)
-                dead = {job.cell: job.process.exitcode for job in ended if job.report is None}
-                if dead:
-                    raise CellDied(death_message(dead))
                 for job in ended:
                     running.remove(job)
-                    count += 1
-                    done(count, job.cell, job.outcome())  # raises the cell's error
+                settle(ended, done)
         except BaseException:
             stop_cells(running)
             raise
+
+
+def settle(ended: Sequence[CellProcess], done: Callable[[Cell, str], None]) -> None:
+    """Tell ``done`` of every cell in ``ended`` that finished, then raise for the others: a
+    :class:`CellDied` naming each cell whose process died without reporting, else the first
+    error a cell reported. (Before: a cell that finished in the same wait as one that died or
+    failed went untold.)"""
+    for job in ended:
+        if isinstance(job.report, str):
+            done(job.cell, job.report)
+    dead = {job.cell: job.process.exitcode for job in ended if job.report is None}
+    if dead:
+        raise CellDied(death_message(dead))
+    for job in ended:
+        job.outcome()  # raises the error the cell reported
 
 
 class CellProcess:
