@@ -114,6 +114,11 @@ def merge_from_factors(
         return (left @ right) / count  # Iso-C takes the mean of non-matrix tensors
     precise = torch.promote_types(dtype, torch.float32)
     u, singular, vh = low_rank_svd(left.to(precise), right.to(precise))
+    if not bool(singular.isfinite().all()):  # finite factors, a product past ``precise``
+        raise ValueError(
+            f"{method.name}: the deltas of tensor {name!r} overflow {precise} (an adapter's B A "
+            "is larger than it holds); try --compute-dtype float64"
+        )
     rank = numerical_rank(singular, shape)
     if rank == 0:
         return torch.zeros(shape, dtype=dtype, device=device)

@@ -468,6 +468,20 @@ def test_lora_output_refuses_a_non_finite_result(tmp_path, capsys, scale, fragme
     assert_refused(capsys, tmp_path / "adapter", args, *fragments)
 
 
+@pytest.mark.parametrize("method", [["-m", "iso-c", "--rank-aware"], ["-m", "iso-c"], ["-m", "ta"]])
+def test_an_adapter_whose_delta_overflows_is_refused_by_every_path(
+    tiny_base, tmp_path, capsys, method
+):
+    """Finite factors of 1e20 whose delta B A (entries 2e40 x the scaling 2) is past float32.
+    Before, rank-aware Iso-C (from the factors) merged it as a delta of rank 0, exit 0 with the
+    base written unchanged: its core SVD's singular values were Inf, which no rank counts; the
+    dense paths refused it."""
+    big = {LORA_A: torch.full((2, 3), 1e20), LORA_B: torch.full((4, 2), 1e20)}
+    folder = write_factors(tmp_path / "big", big)
+    args = [folder, "--base", tiny_base, *method]
+    assert_refused(capsys, tmp_path / "merged.safetensors", args, "'a.weight'")
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float64"])
 def test_lora_output_writes_the_dtype_asked(adapters, tmp_path, capsys, dtype):
     """Before, ``--lora-output --dtype bfloat16`` wrote float32 factors (and --compute-dtype was
