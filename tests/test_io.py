@@ -3,7 +3,10 @@
 import errno
 import json
 import os
+import resource
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,7 @@ from mergekit_loco.io import (
     OutputExistsError,
     open_checkpoint,
 )
+from mergekit_loco.io import reader as reader_module
 from mergekit_loco.io import writer as writer_module
 from mergekit_loco.io.atomic import OWNER_MARKER, OutputRefused, raise_on_signal
 
@@ -271,3 +275,65 @@ def test_writer_restores_signal_handlers(tmp_path):
         assert signal.getsignal(signal.SIGTERM) is raise_on_signal
         writer.write("w", torch.ones(3))
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def write_one_tensor_shards(folder: Path, tensors: dict[str, torch.Tensor]) -> Path:
+    """A model folder with one shard per tensor and its ``model.safetensors.index.json``."""
+    folder.mkdir()
+    weight_map = {}
+    for number, (name, tensor) in enumerate(tensors.items(), start=1):
+        shard = f"model-{number:05d}-of-{len(tensors):05d}.safetensors"
+        write_state_dict({name: tensor}, folder / shard)
+        weight_map[name] = shard
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return folder
+
+
+def test_a_reader_keeps_few_shards_open_and_reopens_a_closed_one_checked(tmp_path):
+    """Reading every tensor of a 40-shard folder leaves at most MAX_OPEN_SHARDS files open
+    (before: all 40, until closed), and a shard closed since is read again, still checked
+    against the file version its header came from."""
+    tensors = {f"t{k}": torch.full((3,), float(k)) for k in range(40)}
+    folder = write_one_tensor_shards(tmp_path / "model", tensors)
+    fds = Path("/proc/self/fd")
+    before = len(list(fds.iterdir()))
+    with open_checkpoint(folder) as reader:
+        for name, tensor in tensors.items():
+            assert torch.equal(reader.get(name), tensor)
+        assert len(list(fds.iterdir())) - before <= reader_module.MAX_OPEN_SHARDS
+        assert torch.equal(reader.get("t0"), tensors["t0"])  # closed, then opened again
+        for name in list(tensors)[1 : 1 + reader_module.MAX_OPEN_SHARDS]:
+            reader.get(name)  # t0's shard is closed again
+        write_state_dict({"t0": torch.zeros(5)}, folder / "model-00001-of-00040.safetensors")
+        with pytest.raises(CheckpointError, match="model-00001-of-00040.safetensors: changed"):
+            reader.get("t0")
+    assert len(list(fds.iterdir())) == before
+
+
+def test_a_merge_of_many_shards_runs_within_a_low_open_file_limit(tmp_path):
+    """``mloco merge`` of two models onto a base, 60 one-tensor shards each, under a limit of
+    100 open files (before: each reader kept every shard it had read open, 180 in all, and the
+    merge failed with ``m1/model-000NN-of-00060.safetensors: cannot read (Too many open
+    files)``, blaming an input, and left its staging folder behind)."""
+    names = [f"t{k}" for k in range(60)]
+    states = {
+        role: {name: torch.full((2,), float(k) * (i + 1)) for k, name in enumerate(names)}
+        for i, role in enumerate(("base", "m1", "m2"))
+    }
+    folders = {
+        role: write_one_tensor_shards(tmp_path / role, state) for role, state in states.items()
+    }
+    limit = (100, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+    done = subprocess.run(
+        [sys.executable, "-m", "mergekit_loco", "merge", str(folders["m1"]), str(folders["m2"]),
+         "--base", str(folders["base"]), "-m", "ta", "--scale", "1",
+         "-o", str(tmp_path / "out"), "-q"],
+        capture_output=True, text=True, timeout=300,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, limit),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    merged = load_file(tmp_path / "out" / "model.safetensors")
+    for name in names:  # task arithmetic, scale 1: base + (m1 - base) + (m2 - base)
+        expected = states["m1"][name] + states["m2"][name] - states["base"][name]
+        assert torch.equal(merged[name], expected), name
+    assert leftovers(tmp_path) == []

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import math
 import os
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -266,18 +268,25 @@ def read_index(index: Path) -> dict[str, TensorEntry]:
     return entries
 
 
+#: Shards a reader keeps open at once, the most recently read: a merge of a few models of
+#: hundreds of shards each would otherwise pass the usual limit of 1024 open files. A shard
+#: closed and opened again is checked against its header's file version as before.
+MAX_OPEN_SHARDS = 16
+
+
 class CheckpointReader:
     """Tensors of a checkpoint, read lazily one at a time. Use :func:`open_checkpoint`.
 
     ``names()`` lists the tensors in file order; ``shape``/``dtype`` come from the header;
-    ``get(name)`` reads one tensor from disk.
+    ``get(name)`` reads one tensor from disk (one read at a time per reader, from any thread).
     """
 
     def __init__(self, path: Path, weights_file: Path, entries: dict[str, TensorEntry]):
         self.path = path
         self.weights_file = weights_file
         self._entries = entries
-        self._handles: dict[Path, BinaryIO] = {}
+        self._handles: OrderedDict[Path, BinaryIO] = OrderedDict()
+        self._reading = threading.Lock()
 
     @property
     def config_dir(self) -> Path:
@@ -313,6 +322,10 @@ class CheckpointReader:
         from (a file replaced or rewritten since is refused, naming it: its offsets no longer
         hold)."""
         entry = self.entry(name)
+        with self._reading:
+            return self._read(name, entry)
+
+    def _read(self, name: str, entry: TensorEntry) -> torch.Tensor:
         handle = self._handle(entry.file)
         stamp = file_stamp(handle.fileno())
         if stamp != entry.stamp:
@@ -349,17 +362,25 @@ class CheckpointReader:
         return buffer.view(entry.dtype).reshape(entry.shape)
 
     def _handle(self, file: Path) -> BinaryIO:
-        if file not in self._handles:
-            try:
-                self._handles[file] = open_regular(file, "safetensors file")
-            except UnsafeInputError as error:
-                raise CheckpointError(str(error)) from None
-        return self._handles[file]
+        """``file`` open for reading; the least recently read shard is closed past
+        :data:`MAX_OPEN_SHARDS`."""
+        if file in self._handles:
+            self._handles.move_to_end(file)
+            return self._handles[file]
+        try:
+            handle = open_regular(file, "safetensors file")
+        except UnsafeInputError as error:
+            raise CheckpointError(str(error)) from None
+        self._handles[file] = handle
+        if len(self._handles) > MAX_OPEN_SHARDS:
+            self._handles.popitem(last=False)[1].close()
+        return handle
 
     def close(self) -> None:
-        for handle in self._handles.values():
-            handle.close()
-        self._handles.clear()
+        with self._reading:
+            for handle in self._handles.values():
+                handle.close()
+            self._handles.clear()
 
     def __enter__(self) -> CheckpointReader:
         return self
