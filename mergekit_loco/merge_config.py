@@ -46,6 +46,7 @@ import torch
 import yaml
 
 from mergekit_loco.io.files import read_limited
+from mergekit_loco.io.lora import is_lora_adapter
 from mergekit_loco.io.yaml_config import MAX_CONFIG_BYTES, ConfigFileError, bounded, load_yaml
 from mergekit_loco.merge_checks import Checkpoints, Fingerprint
 from mergekit_loco.methods import METHODS, get_method
@@ -377,6 +378,9 @@ def load_merge_config(path: str | Path) -> ConfiguredMerge:
                 f"{path}: the only model listed is base_model ({base}), which is "
                 "skipped as mergekit skips it; list the fine-tuned models to merge"
             )
+    # an adapter is a delta: linear keeps the base it adapts (the weights sum to 1, so
+    # sum w_t theta_t is the base plus sum w_t delta_t)
+    adapters = [model for model, _ in entries if is_lora_adapter(model)]
     shared = config.get("parameters")
     shared = {} if shared is None else shared
     if not isinstance(shared, dict):
@@ -385,8 +389,8 @@ def load_merge_config(path: str | Path) -> ConfiguredMerge:
     try:
         if method in SHARED_METHODS:
             ours, params, scale = shared_method(path, method, entries, shared, base)
-            if method == "linear":
-                base = None
+            if method == "linear" and not adapters:
+                base = None  # mergekit's linear averages whole models: sum w_t theta_t
         else:
             ours, params, scale = own_method(path, method, entries, shared)
         get_method(ours, **params).check_tasks(len(entries))

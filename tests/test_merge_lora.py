@@ -292,6 +292,32 @@ def test_a_yaml_lambda_without_base_model_scales_adapters(adapters, tmp_path, ca
         np.testing.assert_allclose(written[name], expected, rtol=0, atol=1e-7)
 
 
+def test_a_linear_yaml_of_adapters_keeps_its_base_model(adapters, tmp_path, capsys):
+    """mergekit's ``linear`` averages whole models, so its base_model is dropped; an adapter is
+    a delta of that base, so with adapters listed the base stays: ``sum_t w_t theta_t`` with
+    ``theta_t = base + delta_t`` (before: ``ad1 is a LoRA adapter: give --base``, which a config
+    file cannot take). Without base_model the error says what to add to the file."""
+    base, folders = adapters
+    config = tmp_path / "linear.yml"
+    models = "".join(f"  - model: {folder}\n    parameters: {{weight: {weight}}}\n"
+                     for folder, weight in zip(folders[:2], (1, 3), strict=True))  # fmt: skip
+    config.write_text(f"merge_method: linear\nbase_model: {base}\nmodels:\n{models}")
+    out = tmp_path / "linear.safetensors"
+    code, _, err = run_main(capsys, "merge", "--config", config, "-o", out, "-q")
+    assert code in (0, None), err
+    base_state, deltas = float64_inputs(base, folders[:2])
+    merged = load_state_dict(out)
+    for name, tensor in base_state.items():
+        expected = 0.25 * (tensor + deltas[0][name]) + 0.75 * (tensor + deltas[1][name])
+        np.testing.assert_allclose(merged[name].double().numpy(), expected, rtol=0, atol=1e-6)
+    without = tmp_path / "no-base.yml"
+    without.write_text(f"merge_method: linear\nmodels:\n{models}")
+    code, _, err = run_main(capsys, "merge", "--config", without, "-o", tmp_path / "x", "-q")
+    assert code == 2
+    assert_one_line_error(err, f"{without}: {folders[0]} is a LoRA adapter (a delta): add "
+                          f"'base_model: BASE' to {without}, BASE the model it adapts")  # fmt: skip
+
+
 @pytest.mark.parametrize("method", ["ta", "mean"])
 def test_lora_output_is_exactly_the_merged_delta(adapters, tmp_path, capsys, method):
     base, folders = adapters

@@ -134,7 +134,8 @@ def from_config(
     """(models, base, method, merge options) from a ``--config`` YAML file; the file decides
     what it describes, so MODEL, --base, --method and merge options beside it are errors (even
     at their defaults: ``--scale 1`` beside a file's ``lambda: 0.3``). A ``lambda`` other than
-    1 needs ``base_model``, except for LoRA adapters (already deltas)."""
+    1 needs ``base_model``, except for LoRA adapters (already deltas); so does a merge of
+    adapters into full weights."""
     from mergekit_loco.merge_config import load_merge_config
 
     clashes = [
@@ -159,6 +160,14 @@ def from_config(
             f"{config}: merge_method {configured.method} merges task vectors (model - base), so "
             f"it needs a base: add 'base_model: BASE' to {config}, BASE the pre-trained "
             "checkpoint the models were fine-tuned from (only mean and linear need none)"
+        )
+    from mergekit_loco.io.lora import is_lora_adapter
+
+    adapters = [model for model in configured.models if is_lora_adapter(model)]
+    if configured.base is None and adapters and not lora_output:
+        raise ValueError(
+            f"{config}: {adapters[0]} is a LoRA adapter (a delta): add 'base_model: BASE' to "
+            f"{config}, BASE the model it adapts (or write an adapter: --lora-output)"
         )
     if configured.base is None and configured.scale != 1 and not lora_output:
         raise ValueError(
