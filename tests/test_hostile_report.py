@@ -50,17 +50,32 @@ def changed(**entries) -> str:
 
 
 @pytest.mark.parametrize(("config", "metrics", "fragment"), [
-    (CONFIG, '{"event": "final", "round": 1}', "final event: 'val_loss' is null, not a number"),
+    (CONFIG, '{"event": "final", "round": 1}', "final event: 'val_loss' is null, not a finite"),
     (CONFIG, '{"event": "final", "round": 1, "val_loss": "low"}', "'val_loss' is \"low\""),
     (CONFIG, '{"event": "eval", "round": [1], "val_loss": 3}', "a eval event: 'round' is [1]"),
     ('{"inner_steps": "2", "global_batch": 4, "seq_len": 8}', '{"event": "final", "round": 1}',
-     "config.json: 'inner_steps' is \"2\", not a number"),
+     "config.json: 'inner_steps' is \"2\", not an integer >= 0"),
     (changed(workers=[1, 2]), FINAL, "'workers' is [1, 2], not an integer >= 1"),
     (changed(workers=1.9), FINAL, "'workers' is 1.9, not an integer >= 1"),
     (changed(workers=-4), FINAL, "'workers' is -4, not an integer >= 1"),
     (changed(preset=["diloco"]), FINAL, "'preset' is [\"diloco\"], not a name"),
     (changed(seed="abc"), FINAL, "'seed' is \"abc\", not an integer >= 0"),
     (CONFIG, FINAL[:-1] + ', "tokens": [1]}', "final event: 'tokens' is [1], not an integer >= 0"),
+    # impossible or non-finite numbers (before: a loss of -5 or 0 was averaged and ranked best,
+    # 1e999 read as inf was "failed" in the table and "finished" in results.csv, a 330-digit
+    # loss or an inf round gave a bare "int too large to convert to float")
+    (CONFIG, FINAL.replace("3.5", "-5"), "metrics.jsonl: final: 'val_loss' is -5, not above 0"),
+    (CONFIG, FINAL.replace("3.5", "0"), "metrics.jsonl: final: 'val_loss' is 0, not above 0"),
+    (CONFIG, FINAL.replace("3.5", "1e999"), "final: 'val_loss' is Infinity, not a finite number"),
+    (CONFIG, FINAL.replace("3.5", "9" * 330), "final: 'val_loss' is 99999"),
+    (CONFIG, FINAL.replace('"round": 1', '"round": 1e999'), "'round' is Infinity, not an integer"),
+    (CONFIG, '{"event": "round", "round": 1, "train_loss": -1}\n' + FINAL,
+     "round: 'train_loss' is -1, not above 0"),
+    (CONFIG.replace('"inner_steps": 2', '"inner_steps": 1e999'), FINAL,
+     "'inner_steps' is Infinity, not an integer >= 0"),
+    (changed(outer_lr=-0.7), FINAL, "config.json: 'outer_lr' is -0.7, not at least 0"),
+    (changed(outer_momentum=0.9).replace("0.9", "1e999"), FINAL,
+     "'outer_momentum' is Infinity, not a finite number"),
 ])  # fmt: skip
 def test_report_names_a_missing_or_mistyped_entry(capsys, tmp_path, config, metrics, fragment):
     run = tmp_path / "results" / "runs" / "a"

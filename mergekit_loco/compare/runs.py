@@ -7,6 +7,7 @@ that a report wrote from them (one row per run, no curves): :func:`load_runs` re
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
@@ -137,13 +138,28 @@ def run_configs(runs_dir: Path) -> list[tuple[str, dict[str, Any]]]:
     return [(folder.name, read_run_config(folder)) for folder in folders]
 
 
-def number_in(mapping: dict, key: str, where: str) -> float:
-    """``mapping[key]`` as a float; a missing or non-numeric entry is a ValueError naming
-    ``where`` (the file and event) and the key."""
+def number_in(
+    mapping: dict, key: str, where: str, minimum: float = -math.inf, strict: bool = False
+) -> float:
+    """``mapping[key]`` as a finite float of at least ``minimum`` (above it if ``strict``);
+    anything else (missing, not a number, NaN or Infinity, an integer past a float's range, too
+    small) is a ValueError naming ``where`` (the file and event) and the key."""
     value = mapping.get(key)
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        raise ValueError(f"{where}: {key!r} is {json.dumps(value)[:40]}, not a number")
-    return float(value)
+    number = math.nan
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        with contextlib.suppress(OverflowError):  # a 400-digit integer
+            number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{where}: {key!r} is {json.dumps(value)[:40]}, not a finite number")
+    if number < minimum or (strict and number == minimum):
+        bound = "above" if strict else "at least"
+        raise ValueError(f"{where}: {key!r} is {number:g}, not {bound} {minimum:g}")
+    return number
+
+
+def loss_in(event: dict, key: str, where: str) -> float:
+    """A cross-entropy of ``event`` (:func:`number_in`): finite and above 0."""
+    return number_in(event, key, where, 0, strict=True)
 
 
 #: the keys of an event a report reads, the only ones kept (a long run's file stays small in
@@ -152,7 +168,7 @@ EVENT_KEYS = ("event", "round", "tokens", "train_loss", "val_loss", "round_secon
 MAX_EVENT_BYTES = 1 << 16
 
 
-def whole_in(mapping: dict, key: str, where: str, default: int, minimum: int = 0) -> int:
+def whole_in(mapping: dict, key: str, where: str, default: int | None, minimum: int = 0) -> int:
     """``mapping[key]`` (``default`` if absent) as an integer of at least ``minimum``; anything
     else (a list, 1.9, true, "abc", -4 workers) is a ValueError naming ``where`` and the key."""
     value = mapping.get(key, default)
@@ -205,7 +221,7 @@ def load_run(run_dir: Path) -> Run:
     events = read_metrics(run_dir)
     where = shown(run_dir / run_layout.CONFIG)
     tokens_per_round = math.prod(
-        int(number_in(config, key, where)) for key in ("inner_steps", "global_batch", "seq_len")
+        whole_in(config, key, where, None) for key in ("inner_steps", "global_batch", "seq_len")
     )
     metrics = shown(run_dir / run_layout.METRICS)
     val_curve, train_curve = [], []
@@ -213,20 +229,25 @@ def load_run(run_dir: Path) -> Run:
         kind = event.get("event")
         if kind not in ("round", "eval", "final"):
             continue
-        tokens = int(number_in(event, "round", f"{metrics}: a {kind} event")) * tokens_per_round
+        tokens = whole_in(event, "round", f"{metrics}: a {kind} event", None) * tokens_per_round
         if kind == "round" and event.get("train_loss") is not None:
-            train_curve.append((tokens, number_in(event, "train_loss", f"{metrics}: round")))
+            train_curve.append((tokens, loss_in(event, "train_loss", f"{metrics}: round")))
         elif kind in ("eval", "final") and event.get("val_loss") is not None:
-            val_curve.append((tokens, number_in(event, "val_loss", f"{metrics}: {kind}")))
+            val_curve.append((tokens, loss_in(event, "val_loss", f"{metrics}: {kind}")))
     final = events[-1] if events and events[-1].get("event") == "final" else None
 
     def outer_value(key: str) -> float | None:
-        return None if config.get(key) is None else setting_value(number_in(config, key, where))
+        if config.get(key) is None:
+            return None
+        return setting_value(number_in(config, key, where, 0))
 
     if (run_dir / FAILED_FILE).exists():
         status, val_loss = "failed", math.inf
     elif final is not None:
-        status, val_loss = "finished", number_in(final, "val_loss", f"{metrics}: final event")
+        status, val_loss = (
+            "finished",
+            loss_in(final, "val_loss", f"{metrics}: final event"),
+        )
     else:
         status, val_loss = "unfinished", None
     if final is not None and "tokens" in final:
