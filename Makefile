@@ -20,7 +20,7 @@ lint: install
 	$(BIN)/ruff check .
 
 test: lint
-	$(BIN)/pytest -q -p no:cacheprovider
+	$(BIN)/pytest -q -p no:cacheprovider -n 2 --dist loadfile
 
 bench: install
 	$(BIN)/python benchmarks/start_time.py

@@ -3,13 +3,26 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
+import signal
 import sysconfig
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
 import torch
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (``make test`` runs two workers), torch runs on one thread in each
+    worker: two workers of as many threads as cores wait on each other's OpenMP threads. A
+    suite started in the background (``nohup make test &``) inherits SIGINT ignored, which the
+    processes of the Ctrl-C tests would inherit in turn: Python's own handler is put back."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @contextlib.contextmanager
