@@ -4,13 +4,16 @@ never prompted for and never imported: ``train --tokenizer``, ``train --init``, 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from checkpoint_factory import save_model, tiny_llama
 from conftest import stdlib_corpus
 from hostile import TRAIN, assert_not_read, assert_refused, run_cli, snapshot
+from safetensors.torch import load_file, save_file
 
 from mergekit_loco.train.tokenizer import train_tokenizer
 
@@ -93,3 +96,44 @@ def test_a_model_config_that_does_not_describe_its_weights_is_one_line(
     (folder / "config.json").write_text(json.dumps(config))
     code, err, _ = run_cli(capsys, "eval", folder, "--data", "pydoc", "--tokens", "512")
     assert_refused(code, err, fragment)
+
+
+@pytest.mark.parametrize("damage", ["nan", "int64"])
+@pytest.mark.parametrize("command", ["train_init", "eval"])
+def test_weights_holding_nan_or_an_integer_tensor_are_refused_by_name(
+    capsys, tmp_path, corpus, damage, command
+):
+    """A model folder whose embedding holds one NaN, or is stored as int64 zeros. Before:
+    ``train --init`` trained a round and then blamed a worker (``non-finite pseudo-gradient
+    ... a worker delta holds NaN``, exit 1), or cast the integers to float and trained (exit
+    0). Now both commands exit 2 naming the file and tensor; an integer tensor is refused from
+    the header, before anything is written."""
+    folder = save_model(tiny_llama(), tmp_path / "model", "folder")
+    train_tokenizer([["def f(x):\n    return x + 1\n" * 50]], vocab_size=300).save_pretrained(
+        folder
+    )
+    (weights,) = folder.glob("*.safetensors")
+    state, name = load_file(weights), "model.embed_tokens.weight"
+    if damage == "nan":
+        state[name][3, 1] = math.nan
+        fragment = f"{folder}: tensor '{name}' holds NaN or Inf"
+    else:
+        state[name] = torch.zeros(state[name].shape, dtype=torch.int64)
+        fragment = f"{folder}: tensor '{name}' is torch.int64, not a floating-point weight"
+    save_file(state, weights)
+    if command == "train_init":
+        args = [
+            "train",
+            *TRAIN,
+            f"--data={corpus}",
+            f"--out={tmp_path / 'run'}",
+            f"--init={folder}",
+        ]
+    else:
+        args = ["eval", folder, f"--data={corpus}", "--tokens=256", "--seq-len=32"]
+    before = snapshot(tmp_path)
+    code, err, _ = run_cli(capsys, *args)
+    assert_refused(code, err, fragment)
+    assert "pseudo-gradient" not in err
+    if damage == "int64":
+        assert snapshot(tmp_path) == before

@@ -148,7 +148,8 @@ def test_an_overflowing_perplexity_is_inf_and_the_loss_is_printed(
 @pytest.mark.parametrize("fault", ["nan_weight", "negative_rope_theta"])
 def test_a_non_finite_loss_is_an_error_naming_the_model(capsys, tmp_path, corpus, tokenizer, fault):
     """NaN weights, or ``rope_theta: -1`` (NaN rotations): no result passed off as a loss (it
-    printed ``"loss": NaN``, invalid JSON, and exit 0)."""
+    printed ``"loss": NaN``, invalid JSON, and exit 0). NaN weights are refused as they are
+    read, naming the tensor; finite weights whose logits are not finite, by the loss."""
     if fault == "nan_weight":
         model = tiny_llama(vocab_size=len(tokenizer))
         model.model.norm.weight.data[0] = math.nan
@@ -156,8 +157,11 @@ def test_a_non_finite_loss_is_an_error_naming_the_model(capsys, tmp_path, corpus
         model = tiny_llama(vocab_size=len(tokenizer), rope_theta=-1.0)
     folder = model_folder(tmp_path / fault, model, tokenizer)
     code, out, err = eval_output(capsys, folder, corpus, "--json")
-    assert_refused(code, err, f"error: {folder}: loss nan on {corpus}: the model's logits are "
-                   "not finite")  # fmt: skip
+    if fault == "nan_weight":
+        assert_refused(code, err, f"error: model {folder}: tensor 'model.norm.weight' holds NaN")
+    else:
+        assert_refused(code, err, f"error: {folder}: loss nan on {corpus}: the model's logits "
+                       "are not finite")  # fmt: skip
     assert out == ""
 
 

@@ -182,12 +182,25 @@ def load_pretrained(
     with open_checkpoint(path) as reader:
         config, tied = checked_config(reader, path, what, config_folder)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        present = reader.names()
-        model.load_state_dict({name: reader.get(name) for name in present}, strict=False)
+        model.load_state_dict(finite_weights(reader, path, what), strict=False)
     if tied:
         model.tie_weights()
     model.loss_type = CAUSAL_LM_LOSS
     return model.to(torch.float32)
+
+
+def finite_weights(reader: CheckpointReader, path: str | Path, what: str) -> dict:
+    """Every tensor ``reader`` reads, each refused if it holds NaN or Inf (a model trained from
+    it would fail in its first round, blaming a worker's delta)."""
+    from mergekit_loco.task_vector import all_finite
+
+    weights = {}
+    for name in reader.names():
+        tensor = reader.get(name)
+        if tensor.is_floating_point() and not all_finite(tensor):
+            raise ValueError(f"{what} {shown(path)}: tensor {name!r} holds NaN or Inf")
+        weights[name] = tensor
+    return weights
 
 
 def check_pretrained(path: str | Path, what: str = "model") -> PretrainedConfig:
@@ -248,6 +261,11 @@ def checked_fit(
             raise ValueError(
                 f"{what} {shown(path)}: tensor {name!r} is {list(reader.shape(name))} in the "
                 f"weights but {list(shape)} by {source}"
+            )
+        if state[name].is_floating_point() and not reader.dtype(name).is_floating_point:
+            raise ValueError(
+                f"{what} {shown(path)}: tensor {name!r} is {reader.dtype(name)}, not a "
+                "floating-point weight"
             )
     unexpected = sorted(present - set(state))
     if unexpected:

@@ -52,6 +52,7 @@ from mergekit_loco.train.model import (
     check_weights_fit,
     checkpoint_vocab,
     count_parameters,
+    finite_weights,
     load_pretrained,
     model_config,
     parameter_checksum,
@@ -461,7 +462,7 @@ def load_model(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> torch
             spec = model_config(config.model.name, rows, tokenizer.bos_token_id,
                                 tokenizer.eos_token_id)  # fmt: skip
             model = build_model(spec, config.run.seed)
-            weights = {name: reader.get(name) for name in reader.names()}
+            weights = finite_weights(reader, init, "--init")
             model.load_state_dict(weights, strict=False)  # checked; tied copies may be absent
     if model.config.vocab_size < vocab:
         raise ValueError(
