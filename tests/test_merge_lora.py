@@ -784,3 +784,18 @@ def test_float64_adapters_on_a_float64_base_are_not_rounded_through_float32(
             expected = sum(taus) / (2 if method == "mean" else 1)
         assert merged[name].dtype == np.float64
         np.testing.assert_allclose(merged[name], theta + expected, rtol=0, atol=1e-13)
+
+
+@pytest.mark.parametrize("file_name", ["adapter_model.safetensors", "adapter_config.json"])
+def test_a_file_of_an_adapter_given_for_the_adapter_names_its_folder(
+    tiny_base, tmp_path, capsys, file_name
+):
+    """A file inside an adapter folder given in place of the folder (before: the weights file
+    was read as a whole model, `tensor 'a.weight' of the base ... is missing`; the config file
+    got `give a .safetensors file instead`)."""
+    folder = write_factors(tmp_path / "ad1", FACTORS)
+    other = write_factors(tmp_path / "ad2", FACTORS)
+    args = [folder / file_name, other, "--base", tiny_base, "-m", "ta"]
+    assert_refused(capsys, tmp_path / "merged.safetensors", args,
+                   f"{folder / file_name}: a file of the PEFT LoRA adapter {folder}; give the "
+                   f"adapter's folder, {folder}, instead")  # fmt: skip

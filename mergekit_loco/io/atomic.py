@@ -39,8 +39,9 @@ from mergekit_loco.io.files import UnsafeInputError, read_json, shown
 
 #: The name ending of a sharded checkpoint's index file (its shards lie in its folder).
 INDEX_SUFFIX = ".safetensors.index.json"
-#: A PEFT LoRA adapter's config file (beside ``adapter_model.safetensors``).
+#: A PEFT LoRA adapter's config file, and its weights file beside it.
 ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 #: The file that marks a folder as written by mergekit_loco (``--force`` may replace it).
 OWNER_MARKER = ".mloco-output.json"

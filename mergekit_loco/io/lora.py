@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from mergekit_loco.io.atomic import ADAPTER_CONFIG, check_output, staged_output
+from mergekit_loco.io.atomic import ADAPTER_CONFIG, ADAPTER_WEIGHTS, check_output, staged_output
 from mergekit_loco.io.files import inside, read_json, shown
 from mergekit_loco.io.reader import CheckpointError, CheckpointReader, read_header
 from mergekit_loco.task_vector import all_finite
@@ -35,7 +35,6 @@ try:
 except ImportError:  # pragma: no cover - an older name of the same module
     import sre_parse as regex_parser
 
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 KEY_PREFIX = "base_model.model."
 
 

@@ -21,6 +21,7 @@ from typing import BinaryIO
 
 import torch
 
+from mergekit_loco.io.atomic import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from mergekit_loco.io.files import (
     UnsafeInputError,
     inside,
@@ -437,6 +438,11 @@ def open_checkpoint(path: str | Path) -> CheckpointReader:
         )
     if not (path.exists() or path.is_symlink()):
         raise CheckpointError(f"{shown(path)}: no such file or folder")
+    if path.name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS) and (path.parent / ADAPTER_CONFIG).is_file():
+        raise CheckpointError(
+            f"{shown(path)}: a file of the PEFT LoRA adapter {shown(path.parent)}; give the "
+            f"adapter's folder, {shown(path.parent)}, instead"
+        )
     folder = model_folder_of(path)
     if path.suffix in PICKLE_SUFFIXES:
         instead = f", or give its model folder {shown(folder)} instead" if folder else ""
