@@ -417,3 +417,28 @@ def test_data_and_run_folders_whose_names_are_not_utf8_train_and_resume(
         code, err, _ = run_cli(capsys, "train", *TRAIN, f"--data={data}", f"--out={run}", *flags)
         assert code in (0, None), err
     assert (run / "final" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ('"timeout": 1e999', "timeout in {saved} must be a finite number"),
+        ('"eval_every": -1', "eval_every in {saved} must be >= 0"),
+    ],
+)
+def test_a_refused_value_of_the_saved_config_is_named_there(
+    capsys, tmp_path, corpus, stopped, entry, message
+):
+    """A stopped run's ``config.json`` edited by hand, then ``--resume`` without that flag
+    (before: ``--timeout must be a finite number``, naming a flag that was never given)."""
+    run = tmp_path / "run"
+    shutil.copytree(stopped, run)
+    saved = run / "config.json"
+    key = entry.split('"')[1]
+    config = json.loads(saved.read_text())
+    text = json.dumps({k: v for k, v in config.items() if k != key})
+    saved.write_text(text[:-1] + f", {entry}}}")
+    before = snapshot(tmp_path)
+    code, err, _ = run_cli(capsys, "train", f"--out={run}", "--resume", f"--data={corpus}")
+    assert_refused(code, err, message.format(saved=saved))
+    assert snapshot(tmp_path) == before

@@ -36,6 +36,7 @@ from mergekit_loco.train.config import (
     preset_config,
     read_options,
     resolve_config,
+    resumed_names,
 )
 from mergekit_loco.train.config_sections import OptionError, flag_name
 
@@ -352,7 +353,7 @@ def train_command(
     try:
         run_config = resolve_config(config, **flags)
     except OptionError as error:  # named as typed: --global-batch, global_batch in run.toml
-        names = {key: flag_name(key) for key in flags}
+        names = {key: flag_name(key) for key in flags} | resumed_names(config, **flags)
         raise ValueError(error.named(names | given_options(config, **flags))) from None
     check_run_folder_name(Path(run_config.run.out), "--out")
     if run_config.checkpoint.resume:

@@ -494,6 +494,18 @@ def given_options(config_file: str | Path | None, **overrides: Any) -> dict[str,
     return read_options(config_file, overrides)[2]
 
 
+def resumed_names(config_file: str | Path | None, **overrides: Any) -> dict[str, str]:
+    """On ``--resume``, every option named ``key in OUT/config.json``: a refused value that no
+    flag or config file set came from the run's saved config (the defaults are valid); {}
+    otherwise."""
+    explicit, flags, _ = read_options(config_file, overrides)
+    options = {**explicit, **flags}
+    if not options.get("resume"):
+        return {}
+    saved = shown(Path(options.get("out", TrainConfig().run.out)) / "config.json")
+    return {key: f"{key} in {saved}" for key in TrainConfig().to_dict()}
+
+
 #: Options that only the DiLoCo outer step reads.
 OUTER_KEYS = ("aggregator", "outer_lr", "outer_momentum", "nesterov", "compression")
 
