@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import re
 import struct
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 
@@ -511,3 +514,31 @@ def test_docs_examples_run(tmp_path, monkeypatch):
     monkeypatch.setenv("MLOCO_CACHE", str(tmp_path / "cache"))
     for example in examples:
         exec(compile(example, "docs/data.md", "exec"), {})
+
+
+def test_bounded_runs_cut_only_runs_longer_than_the_limit():
+    """Text without a run of non-space characters longer than MAX_TRAINING_RUN is given to the
+    trainer as it was (the built-in sources' tokenizers are unchanged); a longer run is sliced."""
+    limit = tokenizer_module.MAX_TRAINING_RUN
+    ordinary = "def f(x):\n    return x + 1\n" + "y" * limit + " end"
+    assert list(tokenizer_module.bounded_runs(ordinary)) == [ordinary]
+    assert list(tokenizer_module.bounded_runs("")) == [""]
+    long = "head " + "x" * (2 * limit + 3) + " tail"
+    pieces = list(tokenizer_module.bounded_runs(long))
+    assert pieces == ["head ", "x" * limit, "x" * limit, "xxx", " tail"]
+    assert "".join(pieces) == long
+
+
+def test_a_megabyte_without_a_space_trains_a_tokenizer_in_bounded_time(tmp_path):
+    """A data file holding 1 MB of one letter (a blob, padding): before, the BPE trainer took
+    it as one word and ran for hours (256 KB: over two minutes), deaf to SIGTERM. The guard is
+    a hang guard, far above the time it takes now."""
+    script = (
+        "from mergekit_loco.train.tokenizer import train_tokenizer\n"
+        "t = train_tokenizer([['def f(x):\\n    return x\\n' * 100, 'x' * (1 << 20)]], 300)\n"
+        "print(len(t))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert 257 < int(done.stdout.strip()) <= 300  # 256 bytes and EOS, and merges learned

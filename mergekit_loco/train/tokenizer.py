@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -27,7 +28,13 @@ from mergekit_loco.train.sources import cache_root, load_documents
 
 EOS_TOKEN = "<|endoftext|>"
 TOKENIZER_TRAIN_CHARS = 4_000_000
-CACHE_FORMAT = 1  # bump whenever a change alters the tokenizer or the token streams
+CACHE_FORMAT = 2  # bump whenever a change alters the tokenizer or the token streams
+#: The longest run of non-space characters the BPE trainer is given whole: its time grows
+#: faster than the square of a word's length (a 256 KB run of one letter took minutes, 1 MB
+#: hours, and no signal stopped it), so a longer run is given in slices of this length. No
+#: built-in source holds a run of even 200 (format 2: the first with the cut).
+MAX_TRAINING_RUN = 256
+LONG_RUN = re.compile(rf"\S{{{MAX_TRAINING_RUN + 1},}}")
 #: The files that make a folder hold a Hugging Face tokenizer (one of them suffices).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -53,7 +60,7 @@ def train_tokenizer(
             for text in pieces:
                 if budget <= 0:
                     return
-                yield text[:budget]
+                yield from bounded_runs(text[:budget])
                 budget -= len(text)
 
     backend = Tokenizer(models.BPE())
@@ -78,6 +85,21 @@ def train_tokenizer(
         pad_token=EOS_TOKEN,
         model_max_length=2**62,
     )
+
+
+def bounded_runs(text: str) -> Iterator[str]:
+    """``text`` in pieces in which no run of non-space characters is longer than
+    :data:`MAX_TRAINING_RUN`: ``text`` itself where it holds no longer run; else the text
+    between the long runs, and each long run in slices of that length."""
+    start = 0
+    for match in LONG_RUN.finditer(text):
+        if match.start() > start:
+            yield text[start : match.start()]
+        for begin in range(match.start(), match.end(), MAX_TRAINING_RUN):
+            yield text[begin : min(begin + MAX_TRAINING_RUN, match.end())]
+        start = match.end()
+    if start < len(text) or not text:
+        yield text[start:]
 
 
 def load_or_train_tokenizer(
