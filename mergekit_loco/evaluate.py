@@ -336,10 +336,15 @@ def held_out_warnings(
         config_file, run = found
         held_out, asked = run.get("val_tokens"), tokens * val_sets
         if isinstance(held_out, int) and asked > held_out:
+            fitting = (
+                f"{tokens_option} {held_out // val_sets}"
+                if held_out >= val_sets
+                else f"at most {held_out:,} tokens in all (--val-sets x {tokens_option})"
+            )
             warnings.append(
                 f"{shown(model)}: the run held out {held_out:,} validation tokens "
                 f"({shown(config_file)}), so {asked:,} evaluated tokens include tokens it "
-                f"trained on; pass {tokens_option} {held_out // val_sets}"
+                f"trained on; pass {fitting}"
             )
         val_seed = run.get("val_seed") if run.get("val_seed") is not None else run.get("seed")
         if isinstance(val_seed, int) and val_seed != seed:

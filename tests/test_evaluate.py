@@ -14,7 +14,12 @@ from transformers import LlamaForCausalLM
 
 from mergekit_loco import cli
 from mergekit_loco.compare.merges import compare_merges
-from mergekit_loco.evaluate import evaluate_models, held_out_tokens, val_set_spreads
+from mergekit_loco.evaluate import (
+    evaluate_models,
+    held_out_tokens,
+    held_out_warnings,
+    val_set_spreads,
+)
 from mergekit_loco.train.model import build_model, model_config
 from mergekit_loco.train.tokenizer import load_or_train_tokenizer
 
@@ -331,3 +336,20 @@ def test_device_errors_are_one_line_in_every_command(model_folder, corpus, tmp_p
                   f"--out={tmp_path / 'run'}", "--quiet"])  # fmt: skip
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == "error: --device cuda: no CUDA device is available here\n"
+
+
+@pytest.mark.parametrize(
+    ("tokens", "val_sets", "advice"),
+    [
+        (600, 1, "pass --tokens 300"),
+        (200, 3, "pass --tokens 100"),
+        # fewer held-out tokens than sets: no --tokens fits (before: "pass --tokens 0", refused)
+        (512, 1000, "pass at most 300 tokens in all (--val-sets x --tokens)"),
+    ],
+)
+def test_the_held_out_advice_is_a_count_eval_takes(tmp_path, tokens, val_sets, advice):
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"val_tokens": 300, "val_seed": 0}))
+    warnings = held_out_warnings([run / "final"], [], tokens, 0, val_sets)
+    assert len(warnings) == 1 and warnings[0].endswith(advice), warnings
