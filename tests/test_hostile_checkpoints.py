@@ -226,6 +226,13 @@ def test_resume_drops_the_torn_last_line_of_a_killed_run(capsys, tmp_path, corpu
 @pytest.mark.parametrize(("file", "content", "fragment"), [
     ("metrics.jsonl", '{"event": "round", "round": 1}\n[1, 2\n', "metrics.jsonl:2: not valid JSON"),
     ("metrics.jsonl", '{"event": "round", "round": "one"}\n', "not a metrics event"),
+    # a damaged train loss of the checkpoint's round (before: the final line said null)
+    ("metrics.jsonl", '{"event": "round", "round": 1, "train_loss": "abc"}\n',
+     'metrics.jsonl:1: train_loss "abc" is not a loss (a finite number above 0)'),
+    ("metrics.jsonl", '{"event": "round", "round": 1, "train_loss": 1e999}\n',
+     "metrics.jsonl:1: train_loss Infinity is not a loss"),
+    ("metrics.jsonl", '{"event": "round", "round": 1, "train_loss": true}\n',
+     "metrics.jsonl:1: train_loss true is not a loss"),
     ("metrics.jsonl", "x" * 70_000 + "\n", "metrics.jsonl:1: a line over 65536 bytes"),
     ("metrics.jsonl", "sparse", "more than a metrics file may hold"),
     ("config.json", "[]", "not a JSON object"),

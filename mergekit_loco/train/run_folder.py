@@ -311,9 +311,10 @@ def save_final(folder: Path, model: torch.nn.Module, tokenizer: PreTrainedTokeni
 
 def read_events(path: Path) -> list[tuple[str, dict]]:
     """The non-empty lines of ``metrics.jsonl`` with their JSON objects, streamed; a line that
-    is not a JSON object with an integer round, or is longer than ``MAX_EVENT_BYTES``, is an
-    error naming the file and line, except the torn write of a killed run (a last line with no
-    line ending that is not JSON), which is dropped."""
+    is not a JSON object with an integer round, a round event whose train loss is not a finite
+    number above 0, or a line longer than ``MAX_EVENT_BYTES`` is an error naming the file and
+    line, except the torn write of a killed run (a last line with no line ending that is not
+    JSON), which is dropped."""
     events = []
     lines = list(read_lines(path, MAX_METRICS_BYTES, "metrics file", MAX_EVENT_BYTES))
     torn = len(lines) if not ends_a_line(path) else 0
@@ -331,6 +332,14 @@ def read_events(path: Path) -> list[tuple[str, dict]]:
             raise ValueError(f"{error}; a damaged metrics log (fix or delete that line)") from None
         if not isinstance(event, dict) or type(event.get("round", 0)) is not int:
             raise ValueError(f"{where}: not a metrics event (a JSON object)")
+        if event.get("event") == "round" and "train_loss" in event:
+            loss = float_or_none(event["train_loss"])
+            if loss is None or not math.isfinite(loss) or loss <= 0:
+                shown_loss = json.dumps(event["train_loss"])[:40]
+                raise ValueError(
+                    f"{where}: train_loss {shown_loss} is not a loss (a finite number above 0); "
+                    "a damaged metrics log (fix or delete that line)"
+                )
         events.append((line.decode(), event))
     return events
 
@@ -371,9 +380,9 @@ class MetricsLog:
                 at = event.get("round", 0)
                 if at > keep_until_round:
                     continue
-                loss = float_or_none(event.get("train_loss"))
+                loss = float_or_none(event.get("train_loss"))  # checked by read_events
                 if event.get("event") == "round" and at == keep_until_round and loss is not None:
-                    self.resumed_train_loss = loss if math.isfinite(loss) else None
+                    self.resumed_train_loss = loss
                 if event.get("event") == "final":
                     if at >= rounds or at in evaluated or "val_loss" not in event:
                         continue
