@@ -419,7 +419,9 @@ def test_a_new_aggregator_drops_the_old_ones_options_by_replace_as_by_resolve():
         lambda: preset_config("ties").replace(aggregator="iso-c", aggregator_options=given),
         lambda: resolve_config(preset="ties", aggregator="iso-c", aggregator_options=given),
     ):
-        with pytest.raises(ValueError, match="aggregator: method 'iso-c' does not take 'density'"):
+        with pytest.raises(
+            ValueError, match="aggregator_options: method 'iso-c' does not take 'density'"
+        ):
             build()
     dare = preset_config("ties").replace(aggregator="dare", aggregator_options={"density": 0.5})
     assert dare.outer.aggregator_options == {"density": 0.5}
@@ -442,3 +444,25 @@ def test_numpy_numbers_are_numbers_in_a_config():
     config = resolve_config(outer_lr=np.float32(0.5), workers=np.int64(2), inner_steps=np.int32(3))
     assert (config.outer.lr, config.run.workers, config.inner.steps) == (0.5, 2, 3)
     assert type(config.outer.lr) is float and type(config.run.workers) is int
+
+
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        ("file", "error: aggregator_options in {file}: method 'ties': density must be a finite"),
+        ("flag", "error: --option: ties: density must lie in (0, 1], got 2.0"),
+        ("name", "error: --aggregator: unknown merge method 'tiesx'"),
+    ],
+)
+def test_a_refused_aggregator_option_is_named_where_it_was_given(capsys, tmp_path, given, said):
+    """``density = nan`` under a config file's [aggregator_options], or ``--option density=2``
+    (before: both ``error: aggregator: ...``, naming neither the file nor the flag)."""
+    config = tmp_path / "run.toml"
+    config.write_text('aggregator = "ties"\n[aggregator_options]\ndensity = nan\n')
+    extra = {
+        "file": [f"--config={config}"],
+        "flag": ["--aggregator=ties", "--option", "density=2"],
+        "name": ["--aggregator=tiesx"],
+    }[given]
+    code, err = train(capsys, tmp_path, *extra)
+    assert code == 2 and err.startswith(said.format(file=config)), err

@@ -554,7 +554,7 @@ def test_cli_runs_and_reports_errors_on_one_line(corpus, tmp_path):
     assert saved["aggregator_options"] == {"density": 0.5} and saved["outer_lr"] == 0.7
     result = runner.invoke(app, ["train", *args, "--option", "gamma=0.1"])
     assert result.exit_code == 2
-    assert "error: aggregator: method 'ties' does not take 'gamma'" in result.output
+    assert "error: --option: method 'ties' does not take 'gamma'" in result.output
     assert "Traceback" not in result.output
 
 

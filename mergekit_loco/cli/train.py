@@ -354,7 +354,10 @@ def train_command(
         run_config = resolve_config(config, **flags)
     except OptionError as error:  # named as typed: --global-batch, global_batch in run.toml
         names = {key: flag_name(key) for key in flags} | resumed_names(config, **flags)
-        raise ValueError(error.named(names | given_options(config, **flags))) from None
+        names |= given_options(config, **flags)
+        if names.get("aggregator_options", "").startswith("--"):  # its flag: --option K=V
+            names["aggregator_options"] = "--option"
+        raise ValueError(error.named(names)) from None
     check_run_folder_name(Path(run_config.run.out), "--out")
     if run_config.checkpoint.resume:
         check_resumable(Path(run_config.run.out))

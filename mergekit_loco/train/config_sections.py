@@ -46,6 +46,11 @@ def bad_value(option: str, text: str, **values: Any) -> OptionError:
     return OptionError("{0} " + text, (option,), values)
 
 
+def escaped(error: BaseException) -> str:
+    """``error``'s message as literal text in an :class:`OptionError` template."""
+    return str(error).replace("{", "{{").replace("}", "}}")
+
+
 def check_choice(name: str, value: str, choices) -> None:
     if value not in choices:
         raise OptionError(
@@ -201,13 +206,15 @@ class OuterConfig:
 
         check_compression(self.compression)
         try:
+            get_method(self.aggregator)
+        except ValueError as error:
+            raise OptionError("{0}: " + escaped(error), ("aggregator",)) from None
+        try:  # the method exists: what is refused now is one of its options
             options = typed_options(self.aggregator, self.aggregator_options)
             object.__setattr__(self, "aggregator_options", options)
             get_method(self.aggregator, **options)
-        except ValueError as error:
-            raise ValueError(f"aggregator: {error}") from None
-        except TypeError as error:
-            raise ValueError(f"aggregator options {self.aggregator_options}: {error}") from None
+        except (ValueError, TypeError) as error:
+            raise OptionError("{0}: " + escaped(error), ("aggregator_options",)) from None
 
 
 @dataclass(frozen=True)
