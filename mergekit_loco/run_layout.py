@@ -136,10 +136,9 @@ def start_over_advice(out: Path) -> str:
     try:
         check_free_or_ours(out, "--out", (RUN_KIND,))
     except OutputRefused:
-        return (
-            f"{shown(out)} is not a run folder (it holds files mergekit_loco did not write): "
-            "start a run with another --out"
-        )
+        kind = marked_kind(out)  # another of our folders: a sweep, a report, a merge
+        holds = f"is a {kind} folder" if kind else "holds files mergekit_loco did not write"
+        return f"{shown(out)} is not a run folder (it {holds}): start a run with another --out"
     return "run the same command without --resume to start over"
 
 

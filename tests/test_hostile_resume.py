@@ -442,3 +442,18 @@ def test_a_refused_value_of_the_saved_config_is_named_there(
     code, err, _ = run_cli(capsys, "train", f"--out={run}", "--resume", f"--data={corpus}")
     assert_refused(code, err, message.format(saved=saved))
     assert snapshot(tmp_path) == before
+
+
+def test_resume_into_another_of_our_folders_says_what_it_is(capsys, tmp_path, corpus):
+    """``--resume --out`` a compare sweep's folder (before: "it holds files mergekit_loco did
+    not write", of a folder mloco wrote)."""
+    folder = tmp_path / "sweep"
+    folder.mkdir()
+    mark_output(folder, "compare sweep")
+    (folder / "summary.csv").write_text("aggregator\n")
+    before = snapshot(tmp_path)
+    code, err, _ = run_cli(capsys, "train", *TRAIN, f"--data={corpus}", f"--out={folder}",
+                           "--resume")  # fmt: skip
+    assert_refused(code, err, f"{folder} is not a run folder (it is a compare sweep folder): "
+                   "start a run with another --out")  # fmt: skip
+    assert snapshot(tmp_path) == before
