@@ -47,7 +47,13 @@ import yaml
 
 from mergekit_loco.io.files import read_limited
 from mergekit_loco.io.lora import is_lora_adapter
-from mergekit_loco.io.yaml_config import MAX_CONFIG_BYTES, ConfigFileError, bounded, load_yaml
+from mergekit_loco.io.yaml_config import (
+    MAX_CONFIG_BYTES,
+    ConfigFileError,
+    bounded,
+    load_yaml,
+    parse_error_text,
+)
 from mergekit_loco.merge_checks import Checkpoints, Fingerprint
 from mergekit_loco.methods import METHODS, get_method
 from mergekit_loco.methods.mean import weight_sum
@@ -109,8 +115,7 @@ def read_yaml(path: Path) -> dict:
     except ConfigFileError:
         raise
     except (yaml.YAMLError, ValueError) as error:  # ValueError: an int over 4300 digits
-        cause = str(error).replace("\n", " ")[:200]
-        raise MergeConfigError(f"{path}: not valid YAML ({cause})") from None
+        raise MergeConfigError(f"{path}: not valid YAML ({parse_error_text(error)})") from None
     if not isinstance(config, dict):
         raise MergeConfigError(f"{path}: expected a mapping with merge_method and models")
     return config

@@ -466,3 +466,18 @@ def test_a_refused_aggregator_option_is_named_where_it_was_given(capsys, tmp_pat
     }[given]
     code, err = train(capsys, tmp_path, *extra)
     assert code == 2 and err.startswith(said.format(file=config)), err
+
+
+def test_a_yaml_error_says_where_without_quoting_the_file(capsys, tmp_path):
+    """A ``!!python`` tag (refused: no code runs) in a train or merge config (before: PyYAML's
+    message quoted the line, ``workers: !!python/object/apply:os.system ... ^``)."""
+    text = 'workers: !!python/object/apply:os.system ["echo hi"]\n'
+    config, line = refused_config(capsys, tmp_path, "evil.yaml", text)
+    assert line == (
+        f"error: config file {config} cannot be parsed: could not determine a constructor for "
+        "the tag 'tag:yaml.org,2002:python/object/apply:os.system' at line 1, column 10"
+    )
+    merge = write(tmp_path, "evil.yml", text.replace("workers", "merge_method"))
+    code, err, _ = run_cli(capsys, "merge", "--config", merge, "-o", tmp_path / "m.safetensors")
+    line = assert_refused(code, err)
+    assert line.endswith("os.system' at line 1, column 15)") and "echo" not in line, line

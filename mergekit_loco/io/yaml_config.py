@@ -118,6 +118,18 @@ ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:float", YAML12_FLOAT, list
 ConfigLoader.add_constructor(INT_TAG, ConfigLoader.construct_yaml_int)
 
 
+def parse_error_text(error: BaseException) -> str:
+    """What a config parser's ``error`` says, on one line and at most 200 characters, without
+    the snippet of the file that PyYAML's errors quote: its problem and where it lies."""
+    text = str(error)
+    if isinstance(error, yaml.MarkedYAMLError) and error.problem:
+        mark = error.problem_mark
+        text = error.problem + (
+            f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        )
+    return shown(" ".join(text.split()))[:200]
+
+
 def too_big(path: Path | str) -> str:
     """The message for a document over ``MAX_CONFIG_NODES`` values."""
     return f"{path}: more than {MAX_CONFIG_NODES} values once YAML aliases are expanded; refused"

@@ -24,7 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from mergekit_loco.io.files import brief, read_json, read_limited, shown, unique_keys
-from mergekit_loco.io.yaml_config import MAX_CONFIG_BYTES, ConfigFileError, bounded, load_yaml
+from mergekit_loco.io.yaml_config import (
+    MAX_CONFIG_BYTES,
+    ConfigFileError,
+    bounded,
+    load_yaml,
+    parse_error_text,
+)
 from mergekit_loco.run_layout import check_not_a_model
 from mergekit_loco.train.config_sections import (
     DEFAULT_TOKENS,
@@ -373,7 +379,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     except ConfigFileError:  # an alias bomb, deep nesting, a key twice or not a string
         raise
     except Exception as error:  # decoding and the three parsers' errors, huge integers
-        cause = " ".join(str(error).split())[:200]
+        cause = parse_error_text(error)
         raise ValueError(f"config file {shown(path)} cannot be parsed: {cause}") from None
     if not isinstance(values, dict):
         raise ValueError(f"config file {shown(path)} must hold a table of options")
