@@ -244,7 +244,7 @@ def load_run(run_dir: Path) -> Run:
     if (run_dir / FAILED_FILE).exists():
         status, val_loss = "failed", math.inf
     elif final is not None:
-        status, val_loss = "finished", loss_in(final, "val_loss", f"{metrics}: final")
+        status, val_loss = "finished", loss_in(final, "val_loss", f"{metrics}: final event")
     else:
         status, val_loss = "unfinished", None
     if final is not None and "tokens" in final:
