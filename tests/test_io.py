@@ -20,6 +20,7 @@ from mergekit_loco.io import (
     OutputExistsError,
     open_checkpoint,
 )
+from mergekit_loco.io import files as files_module
 from mergekit_loco.io import reader as reader_module
 from mergekit_loco.io import writer as writer_module
 from mergekit_loco.io.atomic import OWNER_MARKER, OutputRefused, raise_on_signal
@@ -337,3 +338,13 @@ def test_a_merge_of_many_shards_runs_within_a_low_open_file_limit(tmp_path):
         expected = states["m1"][name] + states["m2"][name] - states["base"][name]
         assert torch.equal(merged[name], expected), name
     assert leftovers(tmp_path) == []
+
+
+def test_shown_escapes_a_bounded_prefix_and_counts_the_rest():
+    """A message never escapes (or holds) more than SHOWN_CHARS characters of a value (before:
+    all of a 20 MB tensor name was escaped, seconds and 200 MB, and then cut to 200)."""
+    limit = files_module.SHOWN_CHARS
+    assert files_module.shown("a\nb") == "a\\nb"
+    assert files_module.shown("x" * limit) == "x" * limit
+    text = files_module.shown("\n" * 1_000_000)
+    assert text == "\\n" * limit + "... (1,000,000 characters)"
