@@ -546,8 +546,9 @@ def test_a_megabyte_without_a_space_trains_a_tokenizer_in_bounded_time(tmp_path)
 
 def test_the_tokenizer_long_run_benchmark_prints_its_table():
     script = Path(__file__).parents[1] / "benchmarks" / "tokenizer_long_run.py"
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, str(script), "--sizes", "2000"], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+                          text=True, timeout=300, env=environment)  # fmt: skip
     assert done.returncode == 0, done.stderr
     header, row = done.stdout.splitlines()[1:3]
     assert header.split() == ["run", "length", "cut", "(s)", "whole", "(s)", "whole", "/", "cut"]
