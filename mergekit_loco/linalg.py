@@ -39,6 +39,16 @@ def polar_factor(matrix: torch.Tensor) -> torch.Tensor:
     return (left @ right_h).to(matrix.dtype)
 
 
+def frobenius_norm(matrix: torch.Tensor) -> torch.Tensor:
+    """``||M||_F`` in ``matrix``'s dtype, also where the sum of squares overflows it (float32
+    entries from about 1e19): there it is ``p ||M / p||_F`` with ``p = max |m_ij|``."""
+    norm = torch.linalg.matrix_norm(matrix)
+    if torch.isfinite(norm):
+        return norm
+    peak = matrix.abs().amax()
+    return peak * torch.linalg.matrix_norm(matrix / peak)
+
+
 def newton_schulz(matrix: torch.Tensor, steps: int = NS_STEPS) -> torch.Tensor:
     """Approximate ``U V^T`` of ``matrix`` by a quintic Newton-Schulz iteration (no SVD).
 
@@ -54,7 +64,7 @@ def newton_schulz(matrix: torch.Tensor, steps: int = NS_STEPS) -> torch.Tensor:
     transposed = x.shape[0] > x.shape[1]
     if transposed:
         x = x.mT
-    x = x / (torch.linalg.matrix_norm(x) + 1e-7)
+    x = x / (frobenius_norm(x) + 1e-7)
     for _ in range(steps):
         gram = x @ x.mT
         x = a * x + (b * gram + c * gram @ gram) @ x
@@ -68,7 +78,7 @@ def rms_singular_value(matrix: torch.Tensor) -> torch.Tensor:
 
     rms(s) >= mean(s), with equality iff the spectrum is flat; needs no SVD.
     """
-    return torch.linalg.matrix_norm(matrix) / min(matrix.shape) ** 0.5
+    return frobenius_norm(matrix) / min(matrix.shape) ** 0.5
 
 
 def isotropic(matrix: torch.Tensor, spectral: str = "exact", rank_aware: bool = False):

@@ -10,6 +10,7 @@ import torch
 from mergekit_loco.linalg import (
     NS_COEFFICIENTS,
     NS_STEPS,
+    frobenius_norm,
     isotropic,
     newton_schulz,
     numerical_rank,
@@ -182,6 +183,19 @@ def test_isotropic_keeps_half_precision_dtype():
     matrix = random_matrix((6, 4), dtype=torch.float32).to(torch.bfloat16)
     for spectral in ("exact", "ns"):
         assert isotropic(matrix, spectral).dtype == torch.bfloat16
+
+
+def test_frobenius_norm_survives_float32_overflow_of_the_squares():
+    matrix = random_matrix((9, 5), seed=16, dtype=torch.float32)
+    assert torch.equal(frobenius_norm(matrix), torch.linalg.matrix_norm(matrix))
+    huge = matrix * 1e19  # squares of about 1e38: their sum overflows float32
+    expected = np.linalg.norm(huge.double().numpy())
+    assert frobenius_norm(huge).dtype == torch.float32
+    np.testing.assert_allclose(float(frobenius_norm(huge)), expected, rtol=1e-6)
+    np.testing.assert_allclose(float(rms_singular_value(huge)), expected / np.sqrt(5), rtol=1e-6)
+    np.testing.assert_allclose(
+        newton_schulz(huge).double().numpy(), newton_schulz(matrix).double().numpy(), atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("rank", [0, 1, 3, 5])

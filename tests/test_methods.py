@@ -240,6 +240,24 @@ def test_float32_merge_matches_float64_reference(key):
     assert_matches(result, REFERENCES[key](as_numpy(deltas)), tolerance=2e-5)
 
 
+RANK_AWARE = (("rank_aware", True),)
+
+
+@pytest.mark.parametrize(
+    "key",
+    [*REFERENCES, ("iso-c", RANK_AWARE), ("iso-cts", RANK_AWARE)],
+    ids=[*REFERENCE_IDS, "iso-c-rank-aware", "iso-cts-rank-aware"],
+)
+def test_float32_deltas_whose_squares_overflow_merge_as_in_float64(key):
+    """Entries of 1e19: their squares (1e38) sum past float32's 3.4e38, the merge does not.
+    Rank-aware methods on full-rank tasks give the plain method's result."""
+    name, params = key[0], dict(key[1])
+    deltas = [delta * 1e19 for delta in random_deltas((12, 9), 3, seed=6, dtype=torch.float32)]
+    result = get_method(name, **params).merge_tensor("layer.weight", deltas)
+    plain = (name, tuple(item for item in key[1] if item[0] != "rank_aware"))
+    assert_matches(result, REFERENCES[plain](as_numpy(deltas)), tolerance=2e-5)
+
+
 # -- hand-worked cases ---------------------------------------------------------------------------
 def merge_lists(name: str, rows: list[list[float]], **params) -> list[float]:
     deltas = [torch.tensor(row, dtype=torch.float64) for row in rows]

@@ -10,6 +10,7 @@ import torch
 
 from mergekit_loco.linalg import (
     consuming_product,
+    frobenius_norm,
     leading,
     newton_schulz,
     polar_of_blocks,
@@ -85,7 +86,7 @@ def noise_floor(deltas: Sequence[torch.Tensor], dtype: torch.dtype) -> float:
     the scale of the tasks, which bounds ``s_max(M)`` and every ``||tau_t||``. A projection
     residual ``tau_t - U U^T tau_t`` that should vanish is rounding at that scale, not at
     ``tau_t``'s (measured: up to 2e-5 ``||tau_t||_F`` in float32 beside a task 1000x larger)."""
-    scale = sum(float(torch.linalg.matrix_norm(delta.to(dtype))) for delta in deltas)
+    scale = sum(float(frobenius_norm(delta.to(dtype))) for delta in deltas)
     return max(deltas[0].shape) * torch.finfo(dtype).eps * scale
 
 
