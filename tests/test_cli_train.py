@@ -211,6 +211,13 @@ def test_the_help_examples_resolve(captured_run, capsys):
         assert code == 0 and len(captured_run) == 1, (example, stderr)
 
 
+def test_o_names_the_run_folder_as_in_merge_and_compare(captured_run, capsys, tmp_path):
+    code, _, _ = run_main(capsys, "train", "-o", tmp_path / "run", "--threads", "1")
+    assert code == 0
+    ((config, _),) = captured_run
+    assert config.run.out == str(tmp_path / "run")
+
+
 def test_val_seed_flag_sets_the_validation_documents_seed(captured_run, capsys):
     code, _, _ = run_main(capsys, "train", "--seed", "3", "--val-seed", "1000", "--threads", "1")
     assert code == 0

@@ -189,7 +189,9 @@ def train_command(
     ] = None,
     out: Annotated[
         Path | None,
-        typer.Option(help=f"Run folder (default {default('out')}).", parser=path_parser),
+        typer.Option(
+            "--out", "-o", help=f"Run folder (default {default('out')}).", parser=path_parser
+        ),
     ] = None,
     checkpoint_every: Annotated[
         int | None,
