@@ -451,17 +451,24 @@ def test_numpy_numbers_are_numbers_in_a_config():
     [
         ("file", "error: aggregator_options in {file}: method 'ties': density must be a finite"),
         ("flag", "error: --option: ties: density must lie in (0, 1], got 2.0"),
+        ("method flag", "error: --density: ties: density must lie in (0, 1], got 2.0"),
+        ("method flag 0", "error: --density: ties: density must lie in (0, 1], got 0.0"),
+        ("both", "error: --option: iso-c: rank_aware applies to spectral='exact' only"),
         ("name", "error: --aggregator: unknown merge method 'tiesx'"),
     ],
 )
 def test_a_refused_aggregator_option_is_named_where_it_was_given(capsys, tmp_path, given, said):
-    """``density = nan`` under a config file's [aggregator_options], or ``--option density=2``
-    (before: both ``error: aggregator: ...``, naming neither the file nor the flag)."""
+    """``density = nan`` under a config file's [aggregator_options], ``--option density=2`` or
+    ``--density 2`` (before: ``error: aggregator: ...``, naming neither the file nor the flag;
+    then ``--option`` for ``--density``); options refused together are named ``--option``."""
     config = tmp_path / "run.toml"
     config.write_text('aggregator = "ties"\n[aggregator_options]\ndensity = nan\n')
     extra = {
         "file": [f"--config={config}"],
         "flag": ["--aggregator=ties", "--option", "density=2"],
+        "method flag": ["--aggregator=ties", "--density", "2"],
+        "method flag 0": ["--aggregator=ties", "--density", "0"],
+        "both": ["--aggregator=iso-c", "--spectral", "ns", "--option", "rank_aware=true"],
         "name": ["--aggregator=tiesx"],
     }[given]
     code, err = train(capsys, tmp_path, *extra)

@@ -357,8 +357,10 @@ def train_command(
     except OptionError as error:  # named as typed: --global-batch, global_batch in run.toml
         names = {key: flag_name(key) for key in flags} | resumed_names(config, **flags)
         names |= given_options(config, **flags)
-        if names.get("aggregator_options", "").startswith("--"):  # its flag: --option K=V
+        if names.get("aggregator_options", "").startswith("--"):  # --option K=V, --density
             names["aggregator_options"] = "--option"
+            given = [key for key, value in named.items() if value is not None]
+            names |= {f"aggregator_options.{key}": flag_name(key) for key in given}
         raise ValueError(error.named(names)) from None
     check_run_folder_name(Path(run_config.run.out), "--out")
     if run_config.checkpoint.resume:

@@ -26,7 +26,8 @@ class OptionError(ValueError):
     """A bad value of the options ``options`` (flat names). ``template`` refers to them as
     ``{0}``, ``{1}`` and to ``values`` by name; ``str()`` shows the flat names (``global_batch
     must be >= 1``), :meth:`named` the names the user wrote (``--global-batch``, ``global_batch
-    in run.toml``)."""
+    in run.toml``). An option may name one key of a mapping option (``aggregator_options.density``):
+    shown as the mapping's name unless ``names`` names the key."""
 
     def __init__(self, template: str, options: tuple[str, ...], values: Mapping | None = None):
         super().__init__(template, tuple(options), dict(values or {}))
@@ -35,7 +36,12 @@ class OptionError(ValueError):
         """The message with each option named by ``names`` (flat name -> shown name), those it
         lacks by their flat name."""
         template, options, values = self.args
-        return template.format(*(names.get(option, option) for option in options), **values)
+
+        def name(option: str) -> str:
+            mapping = option.partition(".")[0]
+            return names.get(option, names.get(mapping, mapping))
+
+        return template.format(*(name(option) for option in options), **values)
 
     def __str__(self) -> str:
         return self.named({})
@@ -173,6 +179,20 @@ class InnerConfig:
             )
 
 
+def refused_option(aggregator: str, options: Mapping[str, Any]) -> str:
+    """``aggregator_options.KEY`` for the first option ``aggregator`` refuses on its own, else
+    ``aggregator_options`` (refused together, as ``rank_aware`` with ``spectral="ns"``)."""
+    from mergekit_loco.methods import get_method
+    from mergekit_loco.methods.registry import typed_options
+
+    for key, value in options.items():
+        try:
+            get_method(aggregator, **typed_options(aggregator, {key: value}))
+        except (ValueError, TypeError):
+            return f"aggregator_options.{key}"
+    return "aggregator_options"
+
+
 @dataclass(frozen=True)
 class OuterConfig:
     """The outer step: ``aggregator`` (a merge method with its options) merges the workers'
@@ -214,7 +234,8 @@ class OuterConfig:
             object.__setattr__(self, "aggregator_options", options)
             get_method(self.aggregator, **options)
         except (ValueError, TypeError) as error:
-            raise OptionError("{0}: " + escaped(error), ("aggregator_options",)) from None
+            refused = refused_option(self.aggregator, self.aggregator_options)
+            raise OptionError("{0}: " + escaped(error), (refused,)) from None
 
 
 @dataclass(frozen=True)
