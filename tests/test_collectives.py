@@ -356,6 +356,17 @@ def test_int8_codec_round_trip_error_is_a_row_scale():
         assert (decoded[block] - values[block]).abs().max() <= 0.5 * step * (1 + 1e-6)
 
 
+@pytest.mark.parametrize("value", [1e-4, 1e-5, 3e-6])
+def test_int8_codec_scales_small_half_precision_rows_in_float32(value):
+    """float16 rows of 1e-4 .. 3e-6 (before: ``max|x| / 127`` divided in float16 fell into its
+    subnormals, -24% at 1e-5, or to 0 at 3e-6, and the row decoded as 0)."""
+    codec = Codec("int8")
+    values = torch.full((256,), value, dtype=torch.float16)
+    (decoded,) = codec.unpack(codec.pack([values], values.dtype), [(256,)], values.dtype)
+    exact = values.double()  # one value: q = 127 and scale = value / 127 in float32
+    torch.testing.assert_close(decoded.double(), exact, rtol=2e-3, atol=0)
+
+
 def test_owners_balance_spectral_cost():
     shapes = [(1024, 256), (256, 256), (256, 256), (256, 256), (256, 256), (256,), (64, 64)]
     owners = assign_owners(shapes, 2)

@@ -697,6 +697,92 @@ def test_dare_masks_are_independent_bernoulli_across_tasks():
         assert abs(count - p * numel) < 5 * np.sqrt(numel * p * (1 - p))
 
 
+def exact_consensus(kept, coefficients, normalize, divisor_weights):
+    """TIES's election and disjoint mean in exact rationals: ``u_t = c_t kept_t``; an entry
+    whose sum is 0 takes the majority sign of the non-zero sums (-1 on a tie)."""
+    from fractions import Fraction
+
+    c = [Fraction(x) for x in coefficients]
+    rows = [[Fraction(float(v)) for v in task.tolist()] for task in kept]
+    sums = [sum(ct * row[i] for ct, row in zip(c, rows, strict=True)) for i in range(len(rows[0]))]
+    balance = sum((s > 0) - (s < 0) for s in sums)
+    majority = 1 if balance > 0 else -1
+    merged = []
+    for i, total in enumerate(sums):
+        sign = (total > 0) - (total < 0) or majority
+        agreeing = [(ct * row[i], w) for ct, row, w in zip(c, rows, divisor_weights, strict=True)]
+        agreeing = [(u, w) for u, w in agreeing if u * sign > 0]
+        value = sum(u for u, _ in agreeing)
+        divisor = sum(Fraction(w) for _, w in agreeing) if normalize else 1
+        merged.append(float(value / (divisor or 1)))
+    return merged
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize(
+    ("name", "params", "weights"),
+    [
+        ("ties", {"density": 1.0}, (1 / 3, 1 / 3, 1 / 3)),
+        ("ties", {"density": 1.0}, (-0.1, -0.1, -0.1)),
+        ("dare", {"density": 1.0, "consensus": True}, None),
+        ("dare", {"density": 0.6, "consensus": True}, None),
+        ("dare", {"density": 0.6, "consensus": True}, (0.7, 0.7, 0.7)),
+    ],
+)
+def test_a_common_weight_rounds_nothing_into_the_sign_election(name, params, weights, normalize):
+    """Integer deltas whose kept entries often sum to exactly 0 (``1 + 2 - 3``): such an entry
+    takes the majority sign, whatever common weight or DARE rescale multiplies the tasks
+    (before: ``1/3``, TIES's weights or DARE-TIES's default ``w_t = 1/T``, and ``/ 0.6`` made
+    the sum ``+-1 ulp``, which elected its own sign). Checked against exact rationals."""
+    generator = torch.Generator().manual_seed(40)
+    deltas = [torch.randint(-3, 4, (600,), generator=generator).float() for _ in range(3)]
+    method = get_method(name, **params, weights=weights, normalize=normalize)
+    merged = method.merge_tensor("w", deltas)
+    weights = weights or (1 / 3,) * 3
+    if name == "dare":
+        density = params["density"]
+        kept = [(method.drop("w", delta, t) != 0) * delta for t, delta in enumerate(deltas)]
+        coefficients = [weight / density for weight in weights]
+    else:
+        kept, coefficients = deltas, weights
+    expected = exact_consensus(kept, coefficients, normalize, weights)
+    assert sum(sum(task[i] for task in kept) == 0 for i in range(600)) > 50  # cancelling sums
+    np.testing.assert_allclose(merged.double().numpy(), expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_weighted_and_scaled_half_precision_terms_are_rounded_once(dtype):
+    """``w_t tau_t`` and DiLoCo's ``tau_t / R`` are formed in float32 (before: in the deltas'
+    dtype, each rounded before the sum: a weighted mean of three identical deltas moved 21 of
+    256 entries by one bf16 step). Expected: the float64 result, rounded once."""
+    x = (torch.arange(1, 257, dtype=torch.float64) / 64 + 1).to(dtype)
+    a = torch.tensor([1.0078125], dtype=dtype)
+    assert torch.equal(get_method("mean", weights=(1.0, 1.0, 1.0)).merge_tensor("w", [x] * 3), x)
+    assert torch.equal(get_method("ta", weights=(3.0, -2.0)).merge_tensor("w", [a, a]), a)
+    dare = get_method("dare", density=1.0, weights=(0.3, 0.3, 0.4)).merge_tensor("w", [x] * 3)
+    assert torch.equal(dare, x)
+    matrix = random_deltas((16, 16), 1, seed=41)[0].to(dtype)
+    u, s, vh = np.linalg.svd(matrix.double().numpy())  # Iso-C of the workers' mean, tau
+    expected = torch.from_numpy(s.mean() * u @ vh).to(dtype)
+    aggregated = get_method("iso-c").as_aggregator(0, 3).merge_tensor("w", [matrix] * 3)
+    assert aggregated.dtype == dtype
+    assert (aggregated.double() - expected.double()).abs().max() <= (
+        expected.double().abs().max() * torch.finfo(dtype).eps
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_dare_l1_rescale_sums_half_precision_norms_in_float32(dtype):
+    """float16 deltas whose L1 norm, 1e5, passes float16's 65504 (before: NaN and Inf)."""
+    delta = torch.full((1000, 1000), 0.1, dtype=dtype)
+    method = get_method("dare", density=0.5, rescale="l1")
+    merged = method.merge_tensor("w", [delta])
+    kept = method.drop("w", delta, 0) != 0
+    factor = delta.double().abs().sum() / (delta.double() * kept).abs().sum()
+    expected = (delta.double() * kept * factor).to(dtype)
+    torch.testing.assert_close(merged, expected, rtol=torch.finfo(dtype).eps, atol=0)
+
+
 def test_dare_is_unbiased_over_seeds():
     density, seeds = 0.5, 200
     (delta,) = random_deltas((500,), 1, seed=33)

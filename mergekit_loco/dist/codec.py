@@ -81,12 +81,15 @@ class Codec:
 
 
 def _int8_encode(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q, scale)``: rows of :data:`INT8_ROW` entries, ``scale = max|row| / 127`` (float32),
+    """``(q, scale)``: rows of :data:`INT8_ROW` entries, ``scale = max|row| / 127`` (float32,
+    divided in float32 at least: a float16 ``1e-5 / 127`` is subnormal, ``3e-6 / 127`` 0),
     ``q = round(x / scale)`` in [-127, 127]."""
     flat = tensor.reshape(-1)
     rows = torch.nn.functional.pad(flat, (0, -flat.numel() % INT8_ROW)).view(-1, INT8_ROW)
     tiny = torch.finfo(torch.float32).tiny
-    scale = (rows.abs().amax(dim=1) / 127).to(torch.float32).clamp(min=tiny)
+    peak = rows.abs().amax(dim=1)
+    scale = (peak.to(torch.promote_types(peak.dtype, torch.float32)) / 127).to(torch.float32)
+    scale = scale.clamp(min=tiny)
     quantized = torch.round(rows / scale[:, None]).clamp(-127, 127).to(torch.int8)
     return quantized.view(-1)[: flat.numel()], scale
 

@@ -31,7 +31,7 @@ from mergekit_loco.dist.checks import check_finite_deltas, check_same_layout, ve
 from mergekit_loco.dist.codec import Codec
 from mergekit_loco.dist.transport import CommStats, Transport, assign_owners
 from mergekit_loco.methods import MergeMethod, get_method
-from mergekit_loco.methods.base import task_vector_list
+from mergekit_loco.methods.base import task_vector_list, widened
 from mergekit_loco.methods.plan import Collectives, Layout, Plan, Pricing, stack_sum, templates
 from mergekit_loco.task_vector import TaskVector
 
@@ -46,11 +46,13 @@ def sum_plan(method: MergeMethod) -> Plan:
     def run(comm: Collectives, local: Sequence[TaskVector], names: list[str]):
         first = comm.rank * len(local)
         workers = len(local) * comm.world
-        sums = [
-            stack_sum([method.local_term(name, tv[name], first + v) for v, tv in enumerate(local)])
-            for name in names
-        ]
         dtypes = [local[0][name].dtype for name in names]
+        sums = [  # formed in float32 at least, rounded once to the dtype that travels
+            stack_sum(
+                [method.local_term(name, widened(tv[name]), first + v) for v, tv in enumerate(local)]
+            ).to(method.term_dtype(local[0][name].shape, dtype))
+            for name, dtype in zip(names, dtypes, strict=True)
+        ]
         if not method.finish_on_owner:
             return [
                 method.finish(name, total, workers).to(dtype)

@@ -186,7 +186,7 @@ class MergeMethod:
         (:func:`check_finite`); deltas of mixed dtypes are cast to their promoted dtype and
         deltas that require grad are detached.
         """
-        terms = (self.local_term(name, delta, index) for index, delta in enumerate(deltas))
+        terms = (self.local_term(name, widened(delta), index) for index, delta in enumerate(deltas))
         return self.finish(name, sum_of(terms), len(deltas)).to(deltas[0].dtype)
 
     # -- beyond one sum -----------------------------------------------------------------------
@@ -273,7 +273,8 @@ class OfWorkerMean(MergeMethod):
         return self.method.name
 
     def scaled(self, delta: torch.Tensor) -> torch.Tensor:
-        return delta / self.workers if is_matrix(delta) else delta
+        """``tau / R`` on a matrix, in float32 at least (half precision rounds once, later)."""
+        return widened(delta) / self.workers if is_matrix(delta) else delta
 
     def local_term(self, name: str, delta: torch.Tensor, worker_index: int) -> torch.Tensor:
         return self.method.local_term(name, self.scaled(delta), worker_index)
@@ -298,7 +299,8 @@ class OfWorkerMean(MergeMethod):
         self.method.check_tasks(tasks)
 
     def merge_tensor(self, name: str, deltas: Sequence[torch.Tensor]) -> torch.Tensor:
-        return self.method.merge_tensor(name, [self.scaled(delta) for delta in deltas])
+        merged = self.method.merge_tensor(name, [self.scaled(delta) for delta in deltas])
+        return merged.to(deltas[0].dtype)
 
     def plans(self) -> Sequence[Plan]:
         def scaled_run(run):
@@ -324,6 +326,12 @@ def in_one_dtype(deltas: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
         return deltas
     dtype = promoted_dtype(deltas)
     return [delta.to(dtype) for delta in deltas]
+
+
+def widened(delta: torch.Tensor) -> torch.Tensor:
+    """``delta`` in float32 at least: a half-precision term (``w_t tau_t``, ``tau_t / R``) is
+    computed in float32 and the merge rounds once, at the end."""
+    return delta.to(torch.promote_types(delta.dtype, torch.float32))
 
 
 def sum_of(deltas: Iterable[torch.Tensor]) -> torch.Tensor:

@@ -24,21 +24,34 @@ RESCALE_CHOICES = ("density", "l1", "none")
 L1_EPSILON = 1e-7
 
 
+def dropped(delta: torch.Tensor, density: float, generator: torch.Generator) -> torch.Tensor:
+    """``m * delta``: each entry kept with probability ``density`` (``m`` drawn in float64)."""
+    keep = torch.rand(delta.shape, generator=generator, dtype=torch.float64) < density
+    return delta * keep.to(delta.device)
+
+
+def rescale_factor(delta: torch.Tensor, kept: torch.Tensor, density: float, rescale: str) -> float:
+    """What the kept entries are multiplied by: ``1/density`` (the DARE paper),
+    ``||delta||_1 / ||kept||_1`` (mergekit's ``rescale: true``; 1 when either norm is below
+    1e-7; the norms are summed in float32 at least) or 1 (``"none"``)."""
+    if rescale == "density":
+        return 1 / density
+    if rescale == "l1":
+        dtype = torch.promote_types(delta.dtype, torch.float32)
+        before, after = float(delta.abs().sum(dtype=dtype)), float(kept.abs().sum(dtype=dtype))
+        if before >= L1_EPSILON and after >= L1_EPSILON:
+            return before / after
+    return 1.0
+
+
 def drop_and_rescale(
     delta: torch.Tensor, density: float, generator: torch.Generator, rescale: str = "density"
-):
-    """Keep each entry with probability ``density``; rescale the kept ones by ``1/density``
-    (the DARE paper), by ``||delta||_1 / ||kept||_1`` (mergekit's ``rescale: true``; no
-    rescaling when either norm is below 1e-7) or not at all (``"none"``)."""
-    keep = torch.rand(delta.shape, generator=generator, dtype=torch.float64) < density
-    kept = delta * keep.to(delta.device)
+) -> torch.Tensor:
+    """:func:`dropped`, times :func:`rescale_factor` (divided by ``density``, as DARE's code)."""
+    kept = dropped(delta, density, generator)
     if rescale == "density":
         return kept / density
-    if rescale == "l1":
-        before, after = delta.abs().sum(), kept.abs().sum()
-        if before >= L1_EPSILON and after >= L1_EPSILON:
-            return kept * (before / after)
-    return kept
+    return kept * rescale_factor(delta, kept, density, rescale)
 
 
 @dataclass(frozen=True)
@@ -85,14 +98,25 @@ class Dare(MergeMethod):
                     "consensus=True (plain DARE takes its weights as given)"
                 )
 
-    def drop(self, name: str, delta: torch.Tensor, task_index: int) -> torch.Tensor:
-        """The rescaled ``m_t * tau_t`` with the mask of (seed, ``name``, ``task_index``): the
-        generator's seed is ``seed * 1000003 + crc32(name) + task_index`` modulo 2**64."""
-        generator = torch.Generator()
+    def mask_generator(self, name: str, task_index: int) -> torch.Generator:
+        """The generator of task ``task_index``'s mask of tensor ``name``, seeded with
+        ``seed * 1000003 + crc32(name) + task_index`` modulo 2**64."""
         key = self.seed * 1_000_003 + zlib.crc32(name.encode()) + task_index
-        generator.manual_seed(key % 2**64)
+        return torch.Generator().manual_seed(key % 2**64)
+
+    def drop(self, name: str, delta: torch.Tensor, task_index: int) -> torch.Tensor:
+        """The rescaled ``m_t * tau_t`` with the mask of (seed, ``name``, ``task_index``)."""
         density = per_task(self.name, "density", self.density, task_index)
+        generator = self.mask_generator(name, task_index)
         return drop_and_rescale(delta, density, generator, self.rescale)
+
+    def kept_and_factor(
+        self, name: str, delta: torch.Tensor, task_index: int
+    ) -> tuple[torch.Tensor, float]:
+        """``(m_t * tau_t, its rescale factor)``: :meth:`drop` before the rescale."""
+        density = per_task(self.name, "density", self.density, task_index)
+        kept = dropped(delta, density, self.mask_generator(name, task_index))
+        return kept, rescale_factor(delta, kept, density, self.rescale)
 
     def is_sum(self) -> bool:
         """DARE-TIES (``consensus``) elects signs: not one sum."""
@@ -112,10 +136,14 @@ class Dare(MergeMethod):
             return super().merge_tensor(name, deltas)
         count = len(deltas)
         weights = task_weights(self.name, self.weights, count) or (1 / count,) * count
-        dropped = [self.drop(name, delta, index).reshape(-1) for index, delta in enumerate(deltas)]
+        kept, factors = zip(
+            *(self.kept_and_factor(name, delta, index) for index, delta in enumerate(deltas)),
+            strict=True,
+        )
+        flat = [delta.reshape(-1) for delta in kept]
         return sign_consensus_merge(
-            lambda part: (delta[part] for delta in dropped),
-            deltas[0], weights, self.normalize, self.zero_sign,
+            lambda part: (delta[part] for delta in flat),
+            deltas[0], weights, self.normalize, self.zero_sign, factors,
         )  # fmt: skip
 
     def as_aggregator(self, round_index: int, workers: int) -> Dare:

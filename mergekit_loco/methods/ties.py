@@ -209,17 +209,19 @@ def disjoint_mean_slice(
     zero_direction: float,
     weights: Sequence[float] | None,
     normalize: bool,
+    coefficients: Sequence[float] | None = None,
 ):
     """The (weighted) disjoint mean of one slice, in float arithmetic only.
 
-    ``u_t = w_t trim_t`` (``tasks`` yields the ``trim_t``; ``task_sum = sum_t u_t``); the
-    elected direction is ``e = sign(task_sum)`` (``zero_direction`` where it is 0);
-    ``|a_t| = relu(e u_t)`` is the agreeing part and ``merged = e sum_t |a_t| / D`` with
-    ``D = sum_{t: a_t != 0} w_t`` (1 where that is 0; ``D = 1`` without ``normalize``).
-    Unweighted this is the same floats as :func:`agreeing_sum_and_count` and
-    :func:`divide_by_count`: the agreeing entries share one sign, so summing magnitudes and
-    negating is exact.
+    ``u_t = c_t s_t`` (``tasks`` yields the ``s_t``; ``c_t``: ``coefficients``, else
+    ``weights``; ``sign(task_sum) = sign(sum_t u_t)``); the elected direction is
+    ``e = sign(task_sum)`` (``zero_direction`` where it is 0); ``|a_t| = relu(e u_t)`` is the
+    agreeing part and ``merged = e sum_t |a_t| / D`` with ``D = sum_{t: a_t != 0} w_t`` (1
+    where that is 0; ``D = 1`` without ``normalize``). Unweighted this is the same floats as
+    :func:`agreeing_sum_and_count` and :func:`divide_by_count`: the agreeing entries share one
+    sign, so summing magnitudes and negating is exact.
     """
+    coefficients = weights if coefficients is None else coefficients
     direction = torch.sign(task_sum)
     direction.add_(direction.abs().neg_().add_(1).mul_(zero_direction))
     total = torch.zeros_like(direction)
@@ -227,7 +229,9 @@ def disjoint_mean_slice(
     for index, task in enumerate(tasks):
         weight = 1.0 if weights is None else weights[index]
         agreeing = (
-            (task * direction).relu_() if weights is None else task.mul(weight * direction).relu_()
+            (task * direction).relu_()
+            if coefficients is None
+            else task.mul(coefficients[index] * direction).relu_()
         )
         total.add_(agreeing)
         divisor.add_(agreeing.sign_(), alpha=weight)
@@ -243,11 +247,15 @@ def sign_consensus_merge(
     weights: Sequence[float] | None = None,
     normalize: bool = True,
     zero_sign: str = "majority",
+    factors: Sequence[float] | None = None,
 ) -> torch.Tensor:
     """TIES's elect-and-combine step on T sparsified tasks ``s_t``, given slice by slice
-    (``task_slices(part)`` yields ``s_t.reshape(-1)[part]`` for every t): ``u_t = w_t s_t``,
-    signs elected on ``sum_t u_t`` (zeros by ``zero_sign``, see :data:`ZERO_SIGNS`), then the
-    weighted disjoint mean of the agreeing ``u_t`` (see :func:`disjoint_mean_slice`).
+    (``task_slices(part)`` yields ``s_t.reshape(-1)[part]`` for every t): ``u_t = c_t s_t``
+    with ``c_t = w_t f_t`` (``factors`` f_t: DARE's rescale; 1 by default), signs elected on
+    ``sum_t u_t`` (zeros by ``zero_sign``, see :data:`ZERO_SIGNS`), then the weighted disjoint
+    mean of the agreeing ``u_t`` (see :func:`disjoint_mean_slice`). Where every ``c_t`` is one
+    ``c``, the election sums ``sign(c) s_t``: the sign is the same, and a sum that is 0 stays
+    exactly 0 (``c = 1/3`` rounds, and ``(1 - 3 + 2) / 3`` would come out as ``+-1e-17``).
 
     Two passes over cache-sized slices: the first stores ``sum_t u_t`` in the output and
     counts the elected signs, the second overwrites it with the result; beyond the output only
@@ -255,24 +263,31 @@ def sign_consensus_merge(
     round to 0 and elect the wrong sign); the result is cast back to ``like``'s dtype.
     """
     merged = torch.empty_like(like.reshape(-1), dtype=summing_dtype(like.dtype))
+    coefficients = weights
+    if factors is not None:
+        coefficients = [weight * factor for weight, factor in zip(weights, factors, strict=True)]
     largest = torch.finfo(merged.dtype).max
-    if weights is not None and not all(abs(weight) <= largest for weight in weights):
+    if coefficients is not None and not all(abs(c) <= largest for c in coefficients):
+        what = "weights" if factors is None else "weights times rescale factors"
         raise ValueError(
-            f"weights {tuple(weights)} go beyond {merged.dtype}, in which the sign election sums; "
-            "scale them down (with normalize, only their ratios count)"
+            f"{what} {tuple(coefficients)} go beyond {merged.dtype}, in which the sign election "
+            "sums; scale them down (with normalize, only their ratios count)"
         )
+    election = coefficients
+    if coefficients is not None and len(set(coefficients)) == 1:
+        election = [math.copysign(1.0, coefficients[0])] * len(coefficients)
     parts = slices(merged.numel(), merged.device)
     sign_balance = 0.0
     for part in parts:
         total = merged[part]
         total.zero_()
         for index, task in enumerate(task_slices(part)):
-            total.add_(task, alpha=1.0 if weights is None else weights[index])
+            total.add_(task, alpha=1.0 if election is None else election[index])
         sign_balance += float(torch.sign(total).sum(dtype=torch.float64))
     zero_direction = 1.0 if sign_balance > 0 or zero_sign == "positive" else -1.0
     for part in parts:
         merged[part] = disjoint_mean_slice(
-            task_slices(part), merged[part], zero_direction, weights, normalize
+            task_slices(part), merged[part], zero_direction, weights, normalize, coefficients
         )
     return merged.view(like.shape).to(like.dtype)
 
