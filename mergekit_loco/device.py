@@ -14,7 +14,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         resolved = torch.device(device)
-    except RuntimeError:
+    except (RuntimeError, TypeError):
         raise ValueError(f"--device: {device!r} is not a device (use cpu or cuda)") from None
     if resolved.type not in ("cpu", "cuda"):
         raise ValueError(f"--device {device}: mloco runs on cpu or cuda, not {resolved.type}")

@@ -8,10 +8,13 @@ the method allocates for that tensor.
 
 from __future__ import annotations
 
+import inspect
 import math
+import numbers
+import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +44,7 @@ from mergekit_loco.merge_checks import (
 )
 from mergekit_loco.methods import MergeMethod, get_method
 from mergekit_loco.methods.base import check_implemented, promoted_dtype, sum_of
+from mergekit_loco.methods.registry import check_keyword_typos
 from mergekit_loco.task_vector import all_finite, is_mergeable
 
 
@@ -347,6 +351,8 @@ def merge_checkpoints(
     left at ``out`` on failure.
     """
     started = time.perf_counter()
+    keywords = list(inspect.signature(merge_checkpoints).parameters)
+    check_keyword_typos(method_params, keywords, "merge_checkpoints")
     merge_method = resolve_method(method, method_params)
     if isinstance(models, str | Path):
         raise TypeError(f"models: a list of checkpoints ([{str(models)!r}, ...]), not one path")
@@ -356,8 +362,14 @@ def merge_checkpoints(
     for name, given in (("force", force), ("progress", progress)):
         if not isinstance(given, bool):  # force="no" is truthy: it overwrote an output
             raise TypeError(f"{name} must be True or False, not {given!r}")
+    if not isinstance(models, Iterable):
+        raise TypeError(f"models: a list of checkpoints (paths), not {models!r}")
+    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, numbers.Integral):
+        raise TypeError(f"max_shard_bytes: an int (bytes per shard), not {max_shard_bytes!r}")
     models = list(models)  # any iterable, read once
     for what, given in (*(("models", model) for model in models), ("base", base), ("out", out)):
+        if not isinstance(given, str | os.PathLike) and not (what == "base" and given is None):
+            raise TypeError(f"{what}: a path (str or Path), not {given!r}")
         if isinstance(given, str) and not given.strip():
             raise ValueError(f"{what}: an empty path (it would mean the current folder)")
     model_paths = [Path(model) for model in models]

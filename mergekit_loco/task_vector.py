@@ -77,10 +77,16 @@ class TaskVector(Mapping[str, torch.Tensor]):
         """``tau = finetuned - base`` over the floating tensors of ``base``, returned in ``dtype``
         (a floating ``torch.dtype``). The difference is taken in the widest of the two tensors'
         dtypes, ``dtype`` and float32, then rounded once to ``dtype``: a small fine-tuning step
-        survives ``dtype=torch.bfloat16``. Raises TypeError for a ``dtype`` that is not a
-        torch.dtype or a value that is not a tensor (naming it), ValueError for an integer
-        ``dtype`` or another shape, KeyError for a tensor of the base missing from
-        ``finetuned``."""
+        survives ``dtype=torch.bfloat16``. Raises TypeError for a state dict that is not a
+        mapping (a module, ``named_parameters()``), a ``dtype`` that is not a torch.dtype or a
+        value that is not a tensor (naming it), ValueError for an integer ``dtype`` or another
+        shape, KeyError for a tensor of the base missing from ``finetuned``."""
+        for whose, given in (("finetuned", finetuned), ("base", base)):
+            if not isinstance(given, Mapping):
+                raise TypeError(
+                    f"from_state_dicts: {whose} must map tensor names to tensors (a state_dict: "
+                    f"model.state_dict()), not a {type(given).__name__}"
+                )
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"from_state_dicts: dtype must be a torch.dtype, not {dtype!r}")
         if not dtype.is_floating_point:

@@ -4,6 +4,7 @@ key or tensor, never accepted to go silently wrong later (no outer step, NaN par
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -117,6 +118,176 @@ def test_entering_a_driver_twice_is_refused_and_leaving_removes_only_its_hooks()
     assert (driver.local_steps, driver.outer_steps) == (0, 1)
 
 
+def test_arguments_of_the_wrong_kind_are_named_not_left_to_fail_inside():
+    """Before: ``'NoneType' object is not iterable``, ``dictionary update sequence element #0
+    has length 1``, ``AssertionError: Torch not compiled with CUDA enabled``."""
+    model, inner, outer = tiny()
+    for options, error, message in (
+        ({"exclude": None}, TypeError, "exclude: a list of parameter names, not None"),
+        ({"aggregator_options": "density=0.5"}, TypeError, "aggregator_options: a mapping"),
+        ({"backup_device": "cuda:99"}, ValueError, "backup_device: 'cuda:99' is not a device"),
+    ):
+        with pytest.raises(error, match=re.escape(message)):
+            ml.DiLoCo(model, inner, outer, aggregator="ties", **options)
+
+
+def test_optimizers_over_parts_of_the_model_are_not_taken_for_two_workers():
+    """Muon for one part and AdamW for the other is one worker (before: taken for two, and the
+    second's first step failed as out of its turn)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    first = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    second = torch.optim.SGD(model[1].parameters(), lr=0.1)
+    outer = torch.optim.SGD(model.parameters(), lr=0.7)
+    with pytest.raises(ValueError, match="inner_optimizer 1 steps other parameters than"):
+        ml.DiLoCo(model, [first, second], outer, aggregator="mean")
+
+
+def test_keyword_typos_are_named_as_typos_and_wrong_kinds_as_such(tmp_path):
+    """Before: ``method 'mean' does not take 'momentm'``, ``... 'forse'``; a custom method's
+    result of another shape was written, or failed inside torch; numpy deltas, modules given as
+    state dicts and wrong path kinds failed deep inside."""
+    with pytest.raises(TypeError, match=r"OuterOptimizer\(\) got an unexpected keyword 'momentm' "
+                       r"\(did you mean momentum\?\)"):  # fmt: skip
+        ml.OuterOptimizer({"w": torch.zeros(2)}, momentm=0.9)
+    out = tmp_path / "out.safetensors"
+    with pytest.raises(TypeError, match=r"keyword 'forse' \(did you mean force\?\)"):
+        ml.merge_checkpoints(["a", "b"], "base", "ta", out, forse=True)
+    for options, message in (
+        ({"models": None}, "models: a list of checkpoints (paths), not None"),
+        ({"models": ["a", 3]}, "models: a path (str or Path), not 3"),
+        ({"out": None}, "out: a path (str or Path), not None"),
+        ({"max_shard_bytes": True}, "max_shard_bytes: an int (bytes per shard), not True"),
+        ({"max_shard_bytes": "1GB"}, "max_shard_bytes: an int (bytes per shard), not '1GB'"),
+    ):
+        args = {"models": ["a", "b"], "base": "base", "method": "ta", "out": out} | options
+        with pytest.raises(TypeError, match=re.escape(message)):
+            ml.merge_checkpoints(**args)
+    assert not out.exists()
+    with pytest.raises(TypeError, match=r"worker delta 1 maps 'w' to a ndarray, not a torch"):
+        ml.OuterOptimizer({"w": torch.zeros(2)}).step([{"w": torch.ones(2).numpy()}])
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="finetuned must map tensor names to tensors"):
+        ml.TaskVector.from_state_dicts(model.named_parameters(), model.state_dict())
+    with pytest.raises(TypeError, match="base must map tensor names to tensors"):
+        ml.TaskVector.from_state_dicts(model.state_dict(), model)
+
+
+@dataclass(frozen=True)
+class FirstRow(ml.MergeMethod):
+    """A method of one's own whose result is the first row: another shape."""
+
+    name = "first-row"
+
+    def merge_tensor(self, name, deltas):
+        return deltas[0][0]
+
+
+def test_a_method_whose_result_has_another_shape_is_named():
+    message = "first-row: merge_tensor of tensor 'w' returned a [3] tensor; it must return one "
+    message += "tensor of the deltas' shape, [4, 3]"
+    with pytest.raises(TypeError, match=re.escape(message)):
+        FirstRow().merge([ml.TaskVector({"w": torch.ones(4, 3)})])
+
+
+# -- DiLoCo: a failed step, a changed model --------------------------------------------------------
+@dataclass(frozen=True)
+class FailsOnce(ml.MergeMethod):
+    """The mean, but its first aggregation raises (a peer timing out, say)."""
+
+    name = "fails-once"
+    calls: dict = field(default_factory=dict)
+
+    def local_term(self, name, delta, worker_index):
+        self.calls[len(self.calls)] = name
+        if len(self.calls) == 1:
+            raise TimeoutError("the first aggregation fails")
+        return delta
+
+    def finish(self, name, total, workers):
+        return total / workers
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_failed_outer_step_keeps_the_round_and_sync_retries_it(workers):
+    """Before: the round's deltas were dropped and the retried sync() did nothing."""
+
+    def run(method):
+        torch.manual_seed(0)
+        model, _, outer = tiny()
+        inners = [torch.optim.SGD(model.parameters(), lr=0.1) for _ in range(workers)]
+        driver = ml.DiLoCo(model, inners, outer, aggregator=method, sync_every=2)
+        with driver:
+            for inner in inners:
+                step(model, inner)
+                if inner is inners[-1] and isinstance(method, FailsOnce):
+                    with pytest.raises(TimeoutError):
+                        step(model, inner)
+                    with pytest.raises(RuntimeError, match="outer step of round 1 failed"):
+                        step(model, inners[0])  # no inner step while the step is due
+                    assert len(driver.state_dict()["pending"]) == workers
+                    assert driver.sync() is not None
+                else:
+                    step(model, inner)
+        assert driver.outer_steps == 1 and not driver.pending
+        return [p.detach().clone() for p in model.parameters()]
+
+    for retried, plain in zip(run(FailsOnce()), run("mean"), strict=True):
+        assert torch.equal(retried, plain)
+
+
+def test_state_dict_before_the_first_block_holds_the_weights_loaded_after_construction():
+    """Before: the construction-time weights, which a resume loaded over the pretrained ones."""
+    model, inner, outer = tiny()
+    driver = ml.DiLoCo(model, inner, outer, aggregator="mean", sync_every=2)
+    with torch.no_grad():
+        model.weight.fill_(0.5)
+    assert torch.equal(driver.state_dict()["global_params"]["weight"], model.weight.detach())
+
+
+def test_a_parameter_frozen_or_unfrozen_after_construction_is_refused_before_the_step():
+    """Before: an unfrozen parameter trained on each worker, was never merged, and took the
+    outer optimizer's step on its stale inner gradient."""
+    for change in ("unfreeze", "freeze"):
+        model, _, _ = tiny()
+        model.weight.requires_grad_(change == "freeze")
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        outer = torch.optim.SGD(model.parameters(), lr=0.5)
+        driver = ml.DiLoCo(model, inner, outer, aggregator="mean", sync_every=1)
+        changed = model.weight if change == "unfreeze" else model.bias
+        changed.requires_grad_(change == "unfreeze")
+        before = changed.detach().clone()
+        now = "trainable" if change == "unfreeze" else "frozen"
+        with driver, pytest.raises(RuntimeError, match=f"parameter '.*' is {now} now"):
+            model(torch.ones(2, 4)).pow(2).sum().backward()
+            inner.step()
+        assert torch.equal(changed, before) and driver.outer_steps == 0
+
+
+def test_a_model_cast_after_construction_gives_the_global_dtype():
+    """``model.double()`` after construction (before: theta_global stayed float32, and every
+    outer step rounded the model through it)."""
+    model, inner, outer = tiny()
+    driver = ml.DiLoCo(model, inner, outer, aggregator="mean", sync_every=1)
+    model.double()
+    with driver:
+        model(torch.ones(2, 4, dtype=torch.float64)).pow(2).sum().backward()
+        inner.step()
+    assert {t.dtype for t in driver.global_params.values()} == {torch.float64}
+
+
+def test_an_outer_step_that_overflows_leaves_the_model_on_the_global_parameters():
+    model = torch.nn.Linear(2, 1).half()
+    with torch.no_grad():
+        model.weight.fill_(3e4)
+    inner = torch.optim.SGD(model.parameters(), lr=1.0)
+    outer = torch.optim.SGD(model.parameters(), lr=5.0)
+    driver = ml.DiLoCo(model, inner, outer, aggregator="mean", sync_every=1)
+    with driver, pytest.raises(FloatingPointError, match="outer step left parameter 'weight'"):
+        model.weight.grad = torch.full((1, 2), -1e4, dtype=torch.float16)
+        inner.step()  # delta 1e4; 3e4 + 5 * 1e4 overflows float16
+    assert torch.equal(model.weight.detach(), torch.full((1, 2), 3e4, dtype=torch.float16))
+
+
 # -- DiLoCo: load_state_dict ----------------------------------------------------------------------
 def saved_state(sync_every: int = 2) -> dict:
     """The state of a driver after one outer step and one step into the next turn."""
@@ -161,6 +332,21 @@ def test_a_valid_state_still_loads():
         ({"outer": None}, TypeError, r"'outer' must be an optimizer state_dict"),
         ({"global_params": [1.0]}, TypeError, r"global_params must map parameter names"),
         ({"global_params": {"weight": torch.zeros(3, 4)}}, ValueError, r"tensor 'bias' differs"),
+        (
+            {"global_params": {"weight": torch.full((3, 4), float("nan")), "bias": torch.zeros(3)}},
+            ValueError,
+            r"global 'weight' holds NaN or Inf",
+        ),
+        (
+            {"outer": torch.optim.Adam(torch.nn.Linear(4, 3).parameters()).state_dict()},
+            ValueError,
+            r"saved by another kind of optimizer than this SGD: it has the setting",
+        ),
+        (
+            {"outer": {"state": {}, "param_groups": [{"params": [0]}, {"params": [1]}]}},
+            ValueError,
+            r"parameter groups of \[1, 1\] tensors, but the outer optimizer has \[2\]",
+        ),
     ],
 )
 def test_a_state_this_driver_cannot_go_on_from_is_refused(change, error, message):
@@ -292,7 +478,11 @@ def stepped_outer() -> ml.OuterOptimizer:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (lambda s: {**s, "extra": 1}, "must hold exactly 'steps_taken' and 'sgd'"),
+        (lambda s: {**s, "extra": 1}, "must hold 'steps_taken' and 'sgd' (and 'names'), nothing"),
+        (lambda s: {**s, "names": ["w", "c"]}, "parameter names are not this optimizer's ('b'"),
+        (lambda s: {**s, "names": ["w", 3]}, "parameter names are not this optimizer's"),
+        (lambda s: {**s, "sgd": {**s["sgd"], "state": {0: {"momentum_buffer": torch.full((2,),
+         float("inf"))}}}}, "the momentum of 'w' holds NaN or Inf"),
         (lambda s: {**s, "steps_taken": -1}, "'steps_taken' must be an int >= 0, got -1"),
         (lambda s: {**s, "steps_taken": 1.5}, "'steps_taken' must be an int >= 0, got 1.5"),
         (lambda s: {**s, "sgd": [1]}, "'sgd' must be an SGD state_dict"),
@@ -313,6 +503,29 @@ def test_an_outer_state_of_another_optimizer_is_refused_before_any_change(change
     fresh.load_state_dict(before)  # a state of its own kind loads
     saved_buffer = before["sgd"]["state"][1]["momentum_buffer"]
     assert fresh.steps_taken == 1 and torch.equal(fresh.momentum_buffers["b"], saved_buffer)
+
+
+def test_an_outer_state_is_matched_to_the_parameters_by_name():
+    """Before: by position, so an optimizer over ``{b, a}`` took a's momentum for b's."""
+    saved = stepped_outer().state_dict()
+    swapped = ml.OuterOptimizer({"b": torch.zeros(3), "w": torch.zeros(2)}, lr=0.7, momentum=0.9)
+    swapped.load_state_dict(saved)
+    assert swapped.momentum_buffers.keys() == {"w", "b"}
+    assert torch.equal(swapped.momentum_buffers["w"], torch.full((2,), -1.0))  # g = -merged
+    assert torch.equal(swapped.momentum_buffers["b"], torch.full((3,), -1.0))
+    legacy = {key: saved[key] for key in ("steps_taken", "sgd")}  # saved before names: position
+    same_order = ml.OuterOptimizer({"w": torch.zeros(2), "b": torch.zeros(3)}, momentum=0.9)
+    same_order.load_state_dict(legacy)
+    assert same_order.momentum_buffers["b"].shape == (3,)
+
+
+def test_nesterov_without_momentum_and_a_step_that_overflows_are_named():
+    with pytest.raises(ValueError, match="nesterov=True needs momentum > 0"):
+        ml.OuterOptimizer({"w": torch.zeros(2)}, nesterov=True)
+    params = {"w": torch.full((2,), 6e4, dtype=torch.float16)}
+    delta = ml.TaskVector({"w": torch.full((2,), 1e4, dtype=torch.float16)})
+    with pytest.raises(FloatingPointError, match="outer step left parameter 'w' not finite"):
+        ml.OuterOptimizer(params, lr=1.0).step([delta])  # 6e4 + 1e4 > 65504
 
 
 def test_outer_params_must_map_names_to_tensors():

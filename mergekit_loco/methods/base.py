@@ -15,8 +15,8 @@ from mergekit_loco.task_vector import TaskVector, all_finite
 
 def task_vector_list(values: object, call: str, item: str) -> list[Mapping]:
     """``values`` (a list, or any iterable: read once) as a list; a TypeError naming ``call``
-    (``mean.merge``) for one mapping or tensor given alone, or an ``item`` that is not a
-    mapping."""
+    (``mean.merge``) for one mapping or tensor given alone, an ``item`` that is not a mapping,
+    or one that maps a name to anything but a tensor (a numpy array)."""
     if isinstance(values, Mapping | torch.Tensor) or not isinstance(values, Iterable):
         raise TypeError(
             f"{call} takes a list of {item}s ([tau_1, tau_2, ...]), not a {type(values).__name__}"
@@ -28,6 +28,13 @@ def task_vector_list(values: object, call: str, item: str) -> list[Mapping]:
                 f"{call}: {item} {index} is a {type(value).__name__}, not a TaskVector (a "
                 "mapping of tensor name -> delta)"
             )
+        if not isinstance(value, TaskVector):
+            odd = next((n for n, t in value.items() if not isinstance(t, torch.Tensor)), None)
+            if odd is not None:
+                raise TypeError(
+                    f"{call}: {item} {index} maps {odd!r} to a {type(value[odd]).__name__}, "
+                    "not a torch.Tensor (torch.from_numpy converts an array)"
+                )
     return values
 
 
@@ -113,8 +120,9 @@ def checks_deltas(merge_tensor: Callable) -> Callable:
     """``merge_tensor`` behind the one validation point of every method: :func:`check_implemented`,
     :func:`check_deltas`, :meth:`~MergeMethod.check_tasks` and :func:`check_finite`, then the
     deltas in their promoted dtype (:func:`in_one_dtype`) and detached (a delta is data, not an
-    autograd graph). Costs a type and shape comparison and a sum per delta; deltas of one dtype
-    that need no grad pass as given."""
+    autograd graph); the result must be a tensor of the deltas' shape (a method of one's own
+    that returns another is named, not written). Costs a type and shape comparison and a sum
+    per delta; deltas of one dtype that need no grad pass as given."""
     if getattr(merge_tensor, "checks_deltas", False):
         return merge_tensor
 
@@ -126,7 +134,18 @@ def checks_deltas(merge_tensor: Callable) -> Callable:
         check_finite(self.name, name, deltas)
         if any(delta.requires_grad for delta in deltas):
             deltas = [delta.detach() for delta in deltas]
-        return merge_tensor(self, name, in_one_dtype(deltas))
+        merged = merge_tensor(self, name, in_one_dtype(deltas))
+        if not isinstance(merged, torch.Tensor) or merged.shape != deltas[0].shape:
+            what = (
+                f"a {list(merged.shape)} tensor"
+                if isinstance(merged, torch.Tensor)
+                else f"a {type(merged).__name__}"
+            )
+            raise TypeError(
+                f"{self.name}: merge_tensor of tensor {name!r} returned {what}; it must return "
+                f"one tensor of the deltas' shape, {list(deltas[0].shape)}"
+            )
+        return merged
 
     checked.checks_deltas = True  # type: ignore[attr-defined]
     return checked

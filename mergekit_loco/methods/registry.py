@@ -48,6 +48,17 @@ def closest_name(name: str, names: Sequence[str]) -> str | None:
     return matches[0] if matches else None
 
 
+def check_keyword_typos(options: Mapping[str, object], keywords: Sequence[str], call: str) -> None:
+    """TypeError for a keyword in ``options`` (what ``call`` passes on to the merge method)
+    that no method takes and that misspells one of ``call``'s own ``keywords``
+    (``merge_checkpoints(..., forse=True)``), which the method would otherwise be blamed for."""
+    taken = {option for cls in METHODS.values() for option in cls.parameter_names()}
+    for key in options:
+        close = None if key in taken else closest_name(key, keywords)
+        if close is not None:
+            raise TypeError(f"{call}() got an unexpected keyword {key!r} (did you mean {close}?)")
+
+
 def unknown_method(name: str) -> ValueError:
     """The error for a method name that is not registered, with mloco's name for mergekit's,
     or the registered name it misspells."""

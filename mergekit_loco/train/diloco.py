@@ -81,6 +81,17 @@ def check_inner_optimizers(model: torch.nn.Module, inner_optimizers: Sequence[An
                 f"inner_optimizer {worker} holds a tensor that is not a parameter of the model "
                 "(an optimizer of another model?): build it over model.parameters()"
             )
+    first = {id(p) for p in optimizer_tensors(inner_optimizers[0])}
+    for worker, optimizer in enumerate(inner_optimizers[1:], start=1):
+        if {id(p) for p in optimizer_tensors(optimizer)} != first:
+            raise ValueError(
+                f"inner_optimizer {worker} steps other parameters than inner_optimizer 0: a list "
+                "of optimizers is one per simulated worker, each over the whole model; for one "
+                "worker with two optimizers (Muon for matrices, AdamW for the rest), pass one "
+                "object that steps both, holds them in .optimizers and has step hooks (as "
+                "mergekit_loco.train.workers.InnerOptimizer), or one optimizer with two "
+                "param_groups"
+            )
 
 
 def optimizer_objects(optimizer: Any) -> list[Any]:
@@ -156,7 +167,9 @@ def apply_pseudo_gradient(
     """``p.grad = -merged[name]`` (in p's dtype) for every ``params`` entry, ``outer.step()``,
     gradients cleared. Before any change, raises ValueError naming the tensor if ``merged``
     lacks a parameter, holds another tensor or has another shape, and FloatingPointError if it
-    is not finite."""
+    is not finite; after the step, FloatingPointError naming the first parameter it left not
+    finite (an overflow of its dtype). A tensor ``outer`` holds besides ``params`` (a
+    parameter frozen when they were chosen) keeps its gradient and takes no step."""
     if set(merged) != set(params):
         name = sorted(set(merged) ^ set(params))[0]
         where = "is not a parameter" if name in merged else "is missing from the merged deltas"
@@ -169,12 +182,26 @@ def apply_pseudo_gradient(
             )
         if not torch.isfinite(merged[name]).all():
             raise FloatingPointError(f"non-finite pseudo-gradient for {name!r}; params kept")
+    driven = {id(param) for param in params.values()}
+    others = [p for g in outer.param_groups for p in g["params"] if id(p) not in driven]
+    their_grads = [p.grad for p in others]
     try:
+        for param in others:
+            param.grad = None
         for name, param in params.items():
             param.grad = -merged[name].to(device=param.device, dtype=param.dtype)
         outer.step()
     finally:  # a failed step leaves no pseudo-gradient behind
-        outer.zero_grad(set_to_none=True)
+        for param in params.values():
+            param.grad = None
+        for param, grad in zip(others, their_grads, strict=True):
+            param.grad = grad
+    for name, param in params.items():
+        if not torch.isfinite(param).all():
+            raise FloatingPointError(
+                f"the outer step left parameter {name!r} not finite (its {param.dtype} "
+                "overflows: a smaller outer lr, or a wider dtype)"
+            )
 
 
 class DiLoCo:
@@ -226,14 +253,24 @@ class DiLoCo:
             )
         if isinstance(exclude, str):
             raise TypeError(f"exclude: a list of parameter names ([{exclude!r}]), not one string")
+        if not isinstance(exclude, Iterable):
+            raise TypeError(f"exclude: a list of parameter names, not {exclude!r}")
+        if aggregator_options is not None and not isinstance(aggregator_options, Mapping):
+            raise TypeError(
+                "aggregator_options: a mapping such as {'density': 0.5}, not "
+                f"{aggregator_options!r}"
+            )
         check_sync_every(sync_every)
         check_compression(compression)
         if backup_device is not None:
+            given = backup_device
             try:
                 backup_device = torch.device(backup_device)
-            except (RuntimeError, TypeError):
+                torch.empty(0, device=backup_device)
+            except (RuntimeError, TypeError, AssertionError) as error:
                 raise ValueError(
-                    f'backup_device: {backup_device!r} is not a device ("cpu", "cuda:0")'
+                    f'backup_device: {given!r} is not a device ("cpu", "cuda:0") this torch can '
+                    f"use: {error}"
                 ) from None
         named = dict(model.named_parameters())
         # a tied weight has one name here and more in the model (lm_head.weight beside
@@ -248,6 +285,9 @@ class DiLoCo:
         excluded = {every_name[name] for name in exclude}
         self.params = {
             name: p for name, p in named.items() if p.requires_grad and name not in excluded
+        }
+        self.frozen = {  # frozen now: not driven, and checked to stay frozen
+            name: p for name, p in named.items() if name not in excluded and name not in self.params
         }
         allowed = {id(p) for n, p in named.items() if n not in excluded}  # frozen: grad None
         held = {id(p) for group in outer_optimizer.param_groups for p in group["params"]}
@@ -285,10 +325,9 @@ class DiLoCo:
             {name: p.shape for name, p in self.params.items()}, len(self.inner_optimizers) * world
         )
         self.compression = compression
-        self.global_params = {
-            name: p.detach().to(backup_device or p.device, copy=True)
-            for name, p in self.params.items()
-        }
+        self.backup_device = backup_device
+        self.global_params: dict[str, torch.Tensor] = {}
+        self.snapshot_global()
         self.local_steps = 0  # inner steps of the current turn
         self.outer_steps = 0
         self.pending: list[TaskVector] = []  # this rank's finished turns of the current round
@@ -328,13 +367,37 @@ class DiLoCo:
         self._hooks = []
 
     def _check_turn(self, worker: int, optimizer, args, kwargs) -> None:
-        """Before an inner step: it must be ``worker``'s turn (raises before the step)."""
+        """Before an inner step (raises before the step): no outer step may be due (one that
+        failed: :meth:`sync` retries it), the trainable parameters must be those the driver
+        was built with, and it must be ``worker``'s turn."""
+        if len(self.pending) == len(self.inner_optimizers):
+            raise RuntimeError(
+                f"the outer step of round {self.outer_steps + 1} failed and is still due (its "
+                f"{len(self.pending)} worker deltas are kept): call sync() to retry it before "
+                "the next inner step (the step was not taken)"
+            )
+        self.check_trainable()
         turn = len(self.pending)
         if worker != turn:
             raise RuntimeError(
                 f"inner optimizer {worker} stepped during worker {turn}'s turn: the simulated "
                 f"workers take turns in order, {self.sync_every} steps each (the step was not "
                 "taken)"
+            )
+
+    def check_trainable(self) -> None:
+        """RuntimeError naming a parameter whose ``requires_grad`` changed since the driver was
+        built: unfrozen, it would train on each worker and never be merged; frozen, the outer
+        step would still move it."""
+        changed = [n for n, p in self.frozen.items() if p.requires_grad]
+        changed += [n for n, p in self.params.items() if not p.requires_grad]
+        if changed:
+            now = "trainable" if changed[0] in self.frozen else "frozen"
+            raise RuntimeError(
+                f"parameter {changed[0]!r} is {now} now, but was not when this DiLoCo driver was "
+                "built, which fixed the parameters it merges: build a new driver after "
+                "freezing or unfreezing (e.g. at each stage of gradual unfreezing), from "
+                "state_dict() at a round's end (the step was not taken)"
             )
 
     def _after_inner_step(self, worker: int, optimizer, args, kwargs) -> None:
@@ -356,9 +419,12 @@ class DiLoCo:
 
     @torch.no_grad()
     def snapshot_global(self) -> None:
-        """``theta_global = theta`` (the model's parameters now): the starting point."""
-        for name, param in self.params.items():
-            self.global_params[name].copy_(param.detach())
+        """``theta_global = theta`` (the model's parameters now, in their dtype now: a
+        ``model.double()`` after construction counts): the starting point."""
+        self.global_params = {
+            name: p.detach().to(self.backup_device or p.device, copy=True)
+            for name, p in self.params.items()
+        }
 
     @torch.no_grad()
     def restore_global(self) -> None:
@@ -373,22 +439,33 @@ class DiLoCo:
         self.local_steps = 0
         self.pending.append(self.local_delta())
         self.restore_global()
+        return self.step_if_due()
+
+    def step_if_due(self) -> TaskVector | None:
+        """The outer step once every local worker's turn is done. If it fails, the model is
+        left on the global parameters and the round's deltas stay pending: :meth:`sync`
+        retries it."""
         if len(self.pending) < len(self.inner_optimizers):
             return None
-        deltas, self.pending = self.pending, []
-        return self.outer_step(deltas)
+        merged = self.outer_step(self.pending)
+        self.pending = []
+        return merged
 
     def sync(self) -> TaskVector | None:
         """End the current turn now and take the outer step (e.g. to flush a short last
         round); returns the merged delta. Does nothing and returns None when no inner step was
         taken since the last outer step. With V simulated workers it is the last worker's turn
         that ends early: before it, RuntimeError, and nothing changes. RuntimeError too before
-        the driver was ever entered (``with driver:``), when no inner step can have counted."""
+        the driver was ever entered (``with driver:``), when no inner step can have counted.
+        After an outer step that failed (an exception from the aggregation or the step), it
+        retries that step on the round's kept deltas."""
         if not self._started and not self._hooks:
             raise RuntimeError(
                 "sync() before the driver was entered: take the inner steps inside `with "
                 "driver:` (its optimizer hooks count them), then sync"
             )
+        if self.local_steps == 0 and len(self.pending) == len(self.inner_optimizers):
+            return self.step_if_due()  # an outer step that failed: retried
         if self.local_steps == 0 and not self.pending:
             return None
         if len(self.pending) + 1 < len(self.inner_optimizers):
@@ -411,7 +488,11 @@ class DiLoCo:
             compression=self.compression,
         )
         self.restore_global()
-        apply_pseudo_gradient(merged, self.params, self.outer_optimizer)
+        try:
+            apply_pseudo_gradient(merged, self.params, self.outer_optimizer)
+        except BaseException:  # a step that failed half-way: the model back on theta_global
+            self.restore_global()
+            raise
         for name, param in self.params.items():
             self.global_params[name].copy_(param.detach())
         self.outer_steps += 1
@@ -422,9 +503,12 @@ class DiLoCo:
 
     # -- state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Global parameters, counters, unfinished turns and the outer optimizer's state."""
+        """Global parameters, counters, unfinished turns and the outer optimizer's state.
+        Before theta_global is fixed (the first ``with driver:``), the global parameters are
+        the model's now."""
+        source = self.global_params if self._started else self.params
         return {
-            "global_params": {n: t.detach().clone() for n, t in self.global_params.items()},
+            "global_params": {n: t.detach().clone() for n, t in source.items()},
             "local_steps": self.local_steps,
             "outer_steps": self.outer_steps,
             "pending": [dict(delta.items()) for delta in self.pending],
@@ -492,39 +576,69 @@ class DiLoCo:
             raise TypeError(
                 f"DiLoCo state: 'pending' must be a list of deltas, not a {type(pending).__name__}"
             )
-        if len(pending) >= len(self.inner_optimizers):
+        workers = len(self.inner_optimizers)
+        if len(pending) > workers or (len(pending) == workers and state["local_steps"]):
             raise ValueError(
                 f"DiLoCo state: 'pending' holds {len(pending)} finished turns, but this driver "
-                f"has {len(self.inner_optimizers)} inner optimizers (at most "
-                f"{len(self.inner_optimizers) - 1} turns can wait for the outer step)"
+                f"has {workers} inner optimizers (at most {workers - 1} turns wait for the "
+                f"outer step; {workers}, with local_steps 0, after an outer step that failed)"
             )
         if not isinstance(state["outer"], Mapping):
             raise TypeError(
                 f"DiLoCo state: 'outer' must be an optimizer state_dict, not a "
                 f"{type(state['outer']).__name__}"
             )
+        self.check_outer_groups(state["outer"])
         saved = state["global_params"]
         self.check_tensors("global_params", saved)
-        check_shapes_fit(self.global_params, ((n, f"global {n!r}", saved[n]) for n in saved))
+        entries = [(n, f"global {n!r}", saved[n]) for n in saved]
         for turn, delta in enumerate(pending):
             self.check_tensors(f"pending turn {turn}", delta)
-            entries = ((n, f"pending turn {turn} {n!r}", t) for n, t in dict(delta).items())
-            check_shapes_fit(self.global_params, entries)
-        check_shapes_fit(self.global_params, self.outer_state_tensors(state["outer"]))
+            entries += [(n, f"pending turn {turn} {n!r}", t) for n, t in dict(delta).items()]
+        entries += self.outer_state_tensors(state["outer"])
+        check_shapes_fit(self.global_params, entries)
+        for _, label, tensor in entries:
+            if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                raise ValueError(f"DiLoCo state: {label} holds NaN or Inf")
+
+    def check_outer_groups(self, saved: Mapping[str, Any]) -> None:
+        """The saved outer state is one of this driver's outer optimizer: as many parameter
+        groups, each of as many tensors, with no setting this optimizer lacks (an Adam state
+        has ``betas``, SGD's ``momentum``; one a newer torch added may be missing)."""
+        groups = saved.get("param_groups")
+        current = self.outer_optimizer.param_groups
+        kind = type(self.outer_optimizer).__name__
+        if not isinstance(groups, list | tuple) or not all(isinstance(g, Mapping) for g in groups):
+            raise TypeError("DiLoCo state: 'outer' has no list of param_groups")
+        sizes = [len(g.get("params", ())) for g in groups]
+        if sizes != [len(g["params"]) for g in current]:
+            raise ValueError(
+                f"DiLoCo state: 'outer' has parameter groups of {sizes} tensors, but the outer "
+                f"optimizer has {[len(g['params']) for g in current]}"
+            )
+        for saved_group, group in zip(groups, current, strict=True):
+            foreign = sorted(set(saved_group) - set(group), key=str)
+            if foreign:
+                raise ValueError(
+                    f"DiLoCo state: 'outer' was saved by another kind of optimizer than this "
+                    f"{kind}: it has the setting {foreign[0]!r}, which a {kind} has not"
+                )
 
     @torch.no_grad()
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`; at a turn boundary the model gets the global parameters
         too (mid-turn, load the model's own state after this). Before any change, raises
-        naming the key (:meth:`check_state`) for a state this driver cannot go on from."""
+        naming the key (:meth:`check_state`) for a state this driver cannot go on from. The
+        outer optimizer loads its state as torch does, settings (lr, momentum) included: set
+        them after this to change them, as a resumed ``mloco train`` sets its config's."""
         self.check_state(state)
+        self.outer_optimizer.load_state_dict(state["outer"])  # first: it may still refuse
         saved = state["global_params"]
         for name, tensor in self.global_params.items():
             tensor.copy_(saved[name])
         self.local_steps = int(state["local_steps"])
         self.outer_steps = int(state["outer_steps"])
         self.pending = [TaskVector(dict(delta)) for delta in state.get("pending", [])]
-        self.outer_optimizer.load_state_dict(state["outer"])
         self._started = True
         if self.local_steps == 0:
             self.restore_global()

@@ -5,6 +5,7 @@ model). Both run the same two functions: the aggregation and the pseudo-gradient
 from __future__ import annotations
 
 import copy
+import inspect
 import itertools
 import math
 import numbers
@@ -15,6 +16,7 @@ import torch.distributed as dist
 
 from mergekit_loco.methods import MergeMethod
 from mergekit_loco.methods.base import task_vector_list
+from mergekit_loco.methods.registry import check_keyword_typos
 from mergekit_loco.task_vector import TaskVector
 from mergekit_loco.train.aggregate import CommStats, aggregate_worker_deltas
 from mergekit_loco.train.diloco import (
@@ -111,11 +113,15 @@ class OuterOptimizer:
         compression: str | None = None,
         **aggregator_options,
     ):
+        keywords = list(inspect.signature(OuterOptimizer).parameters)
+        check_keyword_typos(aggregator_options, keywords, "OuterOptimizer")
         check_params(params)
         check_rate("lr", lr, None)
         check_rate("momentum", momentum, 1.0)
         if not isinstance(nesterov, bool):
             raise TypeError(f"OuterOptimizer nesterov must be True or False, got {nesterov!r}")
+        if nesterov and momentum == 0:
+            raise ValueError("OuterOptimizer nesterov=True needs momentum > 0 (or nesterov=False)")
         check_compression(compression)
         check_compression_has_ranks(compression, process_group)
         self.params = dict(params)
@@ -165,16 +171,26 @@ class OuterOptimizer:
         return merged
 
     def state_dict(self) -> dict:
-        return {"steps_taken": self.steps_taken, "sgd": copy.deepcopy(self.sgd.state_dict())}
+        """The step count, SGD's state and the parameters' names (in SGD's order)."""
+        return {
+            "steps_taken": self.steps_taken,
+            "sgd": copy.deepcopy(self.sgd.state_dict()),
+            "names": list(self.params),
+        }
 
     def load_state_dict(self, state: Mapping) -> None:
-        """Restore :meth:`state_dict`: the step count and momentum buffers. The settings stay
+        """Restore :meth:`state_dict`: the step count and momentum buffers, matched to the
+        parameters by name (a state saved without names, by position). The settings stay
         this optimizer's own (lr, momentum, nesterov), where torch would load the saved ones,
         as a resumed ``mloco train`` keeps its config's. Before any change, raises ValueError
-        naming the key for a state of another optimizer: other keys, a negative or non-integer
-        step count, or a momentum buffer that is not its parameter's shape."""
-        if not isinstance(state, Mapping) or set(state) != {"steps_taken", "sgd"}:
-            raise ValueError("OuterOptimizer state must hold exactly 'steps_taken' and 'sgd'")
+        naming the key for a state of another optimizer: other keys or parameter names, a
+        negative or non-integer step count, or a momentum buffer that is not its parameter's
+        shape or not finite."""
+        keys = {"steps_taken", "sgd"}
+        if not isinstance(state, Mapping) or not keys <= set(state) <= keys | {"names"}:
+            raise ValueError(
+                "OuterOptimizer state must hold 'steps_taken' and 'sgd' (and 'names'), nothing else"
+            )
         steps = state["steps_taken"]
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise ValueError(
@@ -184,7 +200,15 @@ class OuterOptimizer:
         buffers = saved.get("state") if isinstance(saved, Mapping) else None
         if not isinstance(buffers, Mapping):
             raise ValueError("OuterOptimizer state: 'sgd' must be an SGD state_dict")
-        params = list(self.params.items())
+        names = state.get("names", list(self.params))
+        named = isinstance(names, list | tuple) and all(isinstance(n, str) for n in names)
+        if not named or sorted(names) != sorted(self.params):
+            odd = sorted(set(names if named else ()) ^ set(self.params))
+            raise ValueError(
+                "OuterOptimizer state: its parameter names are not this optimizer's"
+                + (f" ({odd[0]!r} is in one and not the other)" if odd else "")
+            )
+        params = [(name, self.params[name]) for name in names]
         for index, entry in buffers.items():
             buffer = entry.get("momentum_buffer") if isinstance(entry, Mapping) else None
             fits = isinstance(index, int) and 0 <= index < len(params)
@@ -199,8 +223,14 @@ class OuterOptimizer:
                     f"OuterOptimizer state: the momentum of {name!r} is {list(buffer.shape)}, "
                     f"but the parameter is {list(param.shape)}"
                 )
+            if buffer is not None and not torch.isfinite(buffer).all():
+                raise ValueError(
+                    f"OuterOptimizer state: the momentum of {params[index][0]!r} holds NaN or Inf"
+                )
         own = [{k: v for k, v in group.items() if k != "params"} for group in self.sgd.param_groups]
-        self.sgd.load_state_dict(saved)
+        position = {name: index for index, name in enumerate(names)}
+        groups = [{**own[0], "params": [position[name] for name in self.params]}]
+        self.sgd.load_state_dict({"state": dict(buffers), "param_groups": groups})
         for group, settings in zip(self.sgd.param_groups, own, strict=True):
             group.update(settings)
         self.steps_taken = steps
