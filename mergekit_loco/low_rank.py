@@ -42,6 +42,10 @@ from mergekit_loco.methods.iso import IsoC
 from mergekit_loco.methods.mean import Mean
 from mergekit_loco.methods.ta import TaskArithmetic
 
+#: Fields of an input adapter's config that select the modules it adapts: the first input's would
+#: apply to every merged module under --lora-output (its exclude_modules dropped another's delta).
+SELECTING_FIELDS = ("exclude_modules", "target_parameters", "layers_pattern")
+
 
 @dataclass
 class LowRankDelta:
@@ -251,12 +255,13 @@ def merge_to_lora(
             ranks[module] = lora_a.shape[0]
         rank = Counter(ranks.values()).most_common(1)[0][0]
         pattern = rank_pattern(ranks, rank)
-        config = adapters[0].config | {
+        first = {k: v for k, v in adapters[0].config.items() if k not in SELECTING_FIELDS}
+        config = first | {
             "r": rank,
             "lora_alpha": rank,
             "use_rslora": False,
             "rank_pattern": pattern,
             "alpha_pattern": dict(pattern),
-            "target_modules": sorted({module.rsplit(".", 1)[-1] for module in ranks}),
+            "target_modules": sorted(ranks),  # full names: PEFT matches them exactly
         }
         return write_lora_adapter(out, tensors, config, force, [*adapter_paths, base])

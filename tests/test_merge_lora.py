@@ -196,6 +196,8 @@ def test_low_rank_svd_matches_numpy():
         ({"use_dora": True}, ["'use_dora' is true", "DoRA"]),
         ({"bias": "all"}, ["'bias' is \"all\""]),
         ({"modules_to_save": ["lm_head"]}, ["modules_to_save"]),
+        ({"alora_invocation_tokens": [5, 6]}, ["'alora_invocation_tokens'", "invocation"]),
+        ({"layer_replication": [[0, 1], [0, 2]]}, ["'layer_replication'", "copies"]),
     ],
 )
 def test_unsupported_adapter_options_are_named(adapters, tmp_path, capsys, config, fragments):
@@ -341,6 +343,9 @@ def test_lora_output_is_exactly_the_merged_delta(adapters, tmp_path, capsys, met
     config = json.loads((out / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], config["use_rslora"]) == (7, 7, False)
     assert config["rank_pattern"] == {} and config["peft_type"] == "LORA"
+    assert set(config["target_modules"]) == {  # full names (before: "q_proj", which PEFT
+        f"model.layers.{layer}.{target}" for layer in range(2) for target in TARGETS
+    }  # would also match elsewhere, and "0" for a module inside an nn.Sequential)
     base_state, deltas = float64_inputs(base, folders)
     written = dense_deltas(out, base_state)
     divisor = 3 if method == "mean" else 1
@@ -350,6 +355,25 @@ def test_lora_output_is_exactly_the_merged_delta(adapters, tmp_path, capsys, met
     code, _, err = run_main(capsys, "merge", *folders, "--method", "ta", "--lora-output", "-o", out)
     assert code == 2
     assert_one_line_error(err, str(out), "exists", "--force")
+
+
+def test_lora_output_drops_the_first_inputs_module_selection(adapters, tmp_path, capsys):
+    """The first adapter excludes a module the second adapts (before: its exclude_modules was
+    copied into the merged config, and PEFT dropped the second's delta there)."""
+    base, folders = adapters
+    excluding = write_adapter(
+        tmp_path / "excluding", load_state_dict(base), 2, 4, 7,
+        exclude_modules=["model.layers.0.self_attn.q_proj"],
+    )  # fmt: skip
+    out = tmp_path / "merged-adapter"
+    code, _, err = run_main(
+        capsys, "merge", excluding, folders[1], "--base", base, "-m", "ta", "--lora-output",
+        "-o", out, "--quiet",
+    )  # fmt: skip
+    assert code == 0, err
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert "exclude_modules" not in config
+    assert "model.layers.0.self_attn.q_proj" in config["target_modules"]
 
 
 def test_lora_output_of_other_methods_is_an_error(adapters, tmp_path, capsys):

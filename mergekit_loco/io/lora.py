@@ -248,6 +248,16 @@ def read_adapter_config(folder: Path) -> tuple[dict, dict[str, ModulePattern]]:
         ("modules_to_save", bool(config.get("modules_to_save")), "saved modules unsupported"),
         ("fan_in_fan_out", bool(config.get("fan_in_fan_out")), "Conv1D layouts unsupported"),
         ("layers_to_transform", config.get("layers_to_transform") is not None, "unsupported"),
+        (
+            "alora_invocation_tokens",
+            bool(config.get("alora_invocation_tokens")),
+            "aLoRA's delta applies only after its invocation tokens: not a weight delta",
+        ),
+        (
+            "layer_replication",
+            bool(config.get("layer_replication")),
+            "it adds copies of base layers that the merged model would not have",
+        ),
     ]
     for option, refused, reason in refusals:
         if refused:
