@@ -271,6 +271,15 @@ def one_or_each(values: list[float]) -> float | tuple[float, ...]:
     return values[0] if len(set(values)) == 1 else tuple(values)
 
 
+def missing_base_model(path: object, method: str) -> str:
+    """The answer to a config file whose ``merge_method`` needs a base it does not give."""
+    return (
+        f"{path}: merge_method {method} merges task vectors (model - base), so it needs a base: "
+        f"add 'base_model: BASE' to {path}, BASE the pre-trained checkpoint the models were "
+        "fine-tuned from (only mean and linear need none)"
+    )
+
+
 def shared_method(path: Path, method: str, entries: list, shared: dict, base) -> tuple:
     """(mloco method, its parameters, scale) for one of mergekit's methods."""
     ours, defaults = SHARED_METHODS[method]
@@ -294,7 +303,7 @@ def shared_method(path: Path, method: str, entries: list, shared: dict, base) ->
             params["weights"] = tuple(weights)
         return ours, params, 1.0
     if base is None:
-        raise MergeConfigError(f"{path}: {method!r} needs base_model")
+        raise MergeConfigError(missing_base_model(path, method))
     for name in ("density", "gamma"):
         if name in defaults:
             params[name] = one_or_each(per_model(path, name, entries, shared, defaults[name]))

@@ -656,13 +656,16 @@ def test_a_yaml_listing_only_the_base_says_so(family, tmp_path, capsys):
     )
 
 
-def test_a_yaml_without_base_model_is_told_to_add_one(family, tmp_path, capsys):
+@pytest.mark.parametrize("method", ["ta", "ties", "task_arithmetic"])
+def test_a_yaml_without_base_model_is_told_to_add_one(family, tmp_path, capsys, method):
     """Before: the command-line advice ``run: mloco merge M1 M2 --base BASE ...``, which cannot
-    be given beside --config. Now: add ``base_model:`` to the file."""
-    config = write_config(tmp_path, family, "ta", [("ft1", None), ("ft2", None)], base=False)
+    be given beside --config; then, for mergekit's names, ``'ties' needs base_model``. Now: add
+    ``base_model:`` to the file, whichever family's name the method has."""
+    given = [("ft1", "{weight: 1.0}"), ("ft2", "{weight: 1.0}")]
+    config = write_config(tmp_path, family, method, given, base=False)
     code, _, err = run_main(capsys, "merge", "--config", config, "-o", tmp_path / "out")
     assert code == 2
     assert_one_line_error(
-        err, f"error: {config}: merge_method ta", f"add 'base_model: BASE' to {config}"
+        err, f"error: {config}: merge_method {method}", f"add 'base_model: BASE' to {config}"
     )
     assert "--base" not in err and "mloco merge" not in err

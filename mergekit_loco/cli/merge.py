@@ -136,7 +136,7 @@ def from_config(
     at their defaults: ``--scale 1`` beside a file's ``lambda: 0.3``). A ``lambda`` other than
     1 needs ``base_model``, except for LoRA adapters (already deltas); so does a merge of
     adapters into full weights."""
-    from mergekit_loco.merge_config import load_merge_config
+    from mergekit_loco.merge_config import load_merge_config, missing_base_model
 
     clashes = [
         flag
@@ -156,11 +156,7 @@ def from_config(
         raise ValueError(f"--config {config}: {clashes[0]} cannot be given with a config file")
     configured = load_merge_config(config)
     if configured.base is None and needs_base(configured.method) and not lora_output:
-        raise ValueError(
-            f"{config}: merge_method {configured.method} merges task vectors (model - base), so "
-            f"it needs a base: add 'base_model: BASE' to {config}, BASE the pre-trained "
-            "checkpoint the models were fine-tuned from (only mean and linear need none)"
-        )
+        raise ValueError(missing_base_model(config, configured.method))
     from mergekit_loco.io.lora import is_lora_adapter
 
     adapters = [model for model in configured.models if is_lora_adapter(model)]
