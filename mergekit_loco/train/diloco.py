@@ -168,8 +168,7 @@ def apply_pseudo_gradient(
     gradients cleared. Before any change, raises ValueError naming the tensor if ``merged``
     lacks a parameter, holds another tensor or has another shape, and FloatingPointError if it
     is not finite; after the step, FloatingPointError naming the first parameter it left not
-    finite (an overflow of its dtype). A tensor ``outer`` holds besides ``params`` (a
-    parameter frozen when they were chosen) keeps its gradient and takes no step."""
+    finite (an overflow of its dtype)."""
     if set(merged) != set(params):
         name = sorted(set(merged) ^ set(params))[0]
         where = "is not a parameter" if name in merged else "is missing from the merged deltas"
@@ -182,20 +181,12 @@ def apply_pseudo_gradient(
             )
         if not torch.isfinite(merged[name]).all():
             raise FloatingPointError(f"non-finite pseudo-gradient for {name!r}; params kept")
-    driven = {id(param) for param in params.values()}
-    others = [p for g in outer.param_groups for p in g["params"] if id(p) not in driven]
-    their_grads = [p.grad for p in others]
     try:
-        for param in others:
-            param.grad = None
         for name, param in params.items():
             param.grad = -merged[name].to(device=param.device, dtype=param.dtype)
         outer.step()
     finally:  # a failed step leaves no pseudo-gradient behind
-        for param in params.values():
-            param.grad = None
-        for param, grad in zip(others, their_grads, strict=True):
-            param.grad = grad
+        outer.zero_grad(set_to_none=True)
     for name, param in params.items():
         if not torch.isfinite(param).all():
             raise FloatingPointError(
@@ -464,6 +455,7 @@ class DiLoCo:
                 "sync() before the driver was entered: take the inner steps inside `with "
                 "driver:` (its optimizer hooks count them), then sync"
             )
+        self.check_trainable()
         if self.local_steps == 0 and len(self.pending) == len(self.inner_optimizers):
             return self.step_if_due()  # an outer step that failed: retried
         if self.local_steps == 0 and not self.pending:
