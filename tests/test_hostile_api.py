@@ -528,6 +528,68 @@ def test_nesterov_without_momentum_and_a_step_that_overflows_are_named():
         ml.OuterOptimizer(params, lr=1.0).step([delta])  # 6e4 + 1e4 > 65504
 
 
+class FailsAfterStepping(torch.optim.SGD):
+    """SGD whose step, once armed, raises after updating everything (a device lost mid-step)."""
+
+    armed = False
+
+    def step(self, closure=None):
+        super().step(closure)
+        if self.armed:
+            self.armed = False
+            raise RuntimeError("the device went away mid-step")
+
+
+@pytest.mark.parametrize("failure", ["overflow", "raises after stepping"])
+def test_a_failed_outer_step_leaves_the_momentum_as_it_was(failure):
+    """A retried step ends on the bits of a step that never failed. Before: the failed step's
+    pseudo-gradient stayed in the momentum buffer, so the retry counted it twice."""
+
+    def run(fail: bool) -> list[torch.Tensor]:
+        model = torch.nn.Linear(2, 1, bias=False).half()
+        with torch.no_grad():
+            model.weight.fill_(1000.0)
+        inner = torch.optim.SGD(model.parameters(), lr=1.0)
+        outer = FailsAfterStepping(model.parameters(), lr=1.0, momentum=0.9, nesterov=True)
+        driver = ml.DiLoCo(model, inner, outer, aggregator="mean", sync_every=1)
+        with driver:
+            for round_index in range(2):
+                if fail and round_index == 1:
+                    if failure == "overflow":  # 1019 + 1e4 * 27.1 passes float16's 65504
+                        outer.param_groups[0]["lr"] = 1e4
+                    else:
+                        outer.armed = True
+                    with pytest.raises((FloatingPointError, RuntimeError)):
+                        model.weight.grad = torch.full((1, 2), -10.0, dtype=torch.float16)
+                        inner.step()
+                    outer.param_groups[0]["lr"] = 1.0
+                    assert driver.sync() is not None  # the retry
+                else:
+                    model.weight.grad = torch.full((1, 2), -10.0, dtype=torch.float16)
+                    inner.step()
+        buffer = outer.state[model.weight]["momentum_buffer"]
+        return [model.weight.detach().clone(), buffer.clone()]
+
+    retried, plain = run(fail=True), run(fail=False)
+    assert torch.equal(plain[0], torch.full((1, 2), 1046.0, dtype=torch.float16))  # 1019 + 27.1
+    for got, expected in zip(retried, plain, strict=True):
+        assert torch.equal(got, expected)
+
+
+def test_an_outer_optimizer_step_that_overflows_changes_nothing():
+    """Before: the parameters were left at Inf and the momentum had taken the step."""
+    params = {"w": torch.full((2,), 3e4, dtype=torch.float16)}
+    outer = ml.OuterOptimizer(params, lr=1.0, momentum=0.5)
+    outer.step([ml.TaskVector({"w": torch.full((2,), 8.0, dtype=torch.float16)})])
+    before = params["w"].clone(), outer.momentum_buffers["w"].clone()
+    delta = ml.TaskVector({"w": torch.full((2,), 4e4, dtype=torch.float16)})
+    with pytest.raises(FloatingPointError, match="outer step left parameter 'w' not finite"):
+        outer.step([delta])  # 3e4 + 4e4 + 0.5 * 8 > 65504
+    assert torch.equal(params["w"], before[0])
+    assert torch.equal(outer.momentum_buffers["w"], before[1])
+    assert outer.steps_taken == 1
+
+
 def test_outer_params_must_map_names_to_tensors():
     with pytest.raises(TypeError, match="params must be a mapping of name -> tensor"):
         ml.OuterOptimizer([torch.zeros(2)], lr=0.7)

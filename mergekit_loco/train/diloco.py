@@ -160,15 +160,34 @@ def check_shapes_fit(
             )
 
 
+def copied_state(value: Any, device: torch.device | None) -> Any:
+    """A deep copy of an optimizer's ``state_dict()``, its per-parameter tensors on ``device``
+    (None: where they are); scalars such as Adam's step stay where torch keeps them."""
+    if torch.is_tensor(value):
+        return value.detach().to(device if device and value.dim() > 0 else value.device, copy=True)
+    if isinstance(value, Mapping):
+        return {key: copied_state(item, device) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(copied_state(item, device) for item in value)
+    return copy.deepcopy(value)
+
+
 @torch.no_grad()
 def apply_pseudo_gradient(
-    merged: TaskVector, params: Mapping[str, torch.Tensor], outer: torch.optim.Optimizer
+    merged: TaskVector,
+    params: Mapping[str, torch.Tensor],
+    outer: torch.optim.Optimizer,
+    previous: Mapping[str, torch.Tensor] | None = None,
+    backup_device: torch.device | None = None,
 ) -> None:
     """``p.grad = -merged[name]`` (in p's dtype) for every ``params`` entry, ``outer.step()``,
     gradients cleared. Before any change, raises ValueError naming the tensor if ``merged``
     lacks a parameter, holds another tensor or has another shape, and FloatingPointError if it
     is not finite; after the step, FloatingPointError naming the first parameter it left not
-    finite (an overflow of its dtype)."""
+    finite (an overflow of its dtype). A step that fails changes nothing: the parameters go
+    back to ``previous`` (their values before the step; None: a copy is taken) and the
+    optimizer's state to its copy taken before (on ``backup_device``, if given), so a retry
+    ends on the bits of a step that never failed."""
     if set(merged) != set(params):
         name = sorted(set(merged) ^ set(params))[0]
         where = "is not a parameter" if name in merged else "is missing from the merged deltas"
@@ -181,18 +200,28 @@ def apply_pseudo_gradient(
             )
         if not torch.isfinite(merged[name]).all():
             raise FloatingPointError(f"non-finite pseudo-gradient for {name!r}; params kept")
+    if previous is None:
+        previous = {
+            n: p.detach().to(backup_device or p.device, copy=True) for n, p in params.items()
+        }
+    state = copied_state(outer.state_dict(), backup_device)
     try:
         for name, param in params.items():
             param.grad = -merged[name].to(device=param.device, dtype=param.dtype)
         outer.step()
+        for name, param in params.items():
+            if not torch.isfinite(param).all():
+                raise FloatingPointError(
+                    f"the outer step left parameter {name!r} not finite (its {param.dtype} "
+                    "overflows: a smaller outer lr, or a wider dtype)"
+                )
+    except BaseException:  # half a step, or an overflow: back to before it
+        for name, param in params.items():
+            param.copy_(previous[name])
+        outer.load_state_dict(state)
+        raise
     finally:  # a failed step leaves no pseudo-gradient behind
         outer.zero_grad(set_to_none=True)
-    for name, param in params.items():
-        if not torch.isfinite(param).all():
-            raise FloatingPointError(
-                f"the outer step left parameter {name!r} not finite (its {param.dtype} "
-                "overflows: a smaller outer lr, or a wider dtype)"
-            )
 
 
 class DiLoCo:
@@ -434,8 +463,8 @@ class DiLoCo:
 
     def step_if_due(self) -> TaskVector | None:
         """The outer step once every local worker's turn is done. If it fails, the model is
-        left on the global parameters and the round's deltas stay pending: :meth:`sync`
-        retries it."""
+        left on the global parameters, the outer optimizer's state as it was, and the round's
+        deltas stay pending: :meth:`sync` retries it."""
         if len(self.pending) < len(self.inner_optimizers):
             return None
         merged = self.outer_step(self.pending)
@@ -480,11 +509,9 @@ class DiLoCo:
             compression=self.compression,
         )
         self.restore_global()
-        try:
-            apply_pseudo_gradient(merged, self.params, self.outer_optimizer)
-        except BaseException:  # a step that failed half-way: the model back on theta_global
-            self.restore_global()
-            raise
+        apply_pseudo_gradient(
+            merged, self.params, self.outer_optimizer, self.global_params, self.backup_device
+        )
         for name, param in self.params.items():
             self.global_params[name].copy_(param.detach())
         self.outer_steps += 1

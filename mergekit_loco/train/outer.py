@@ -149,7 +149,8 @@ class OuterOptimizer:
         place; returns the merged delta. Before any compute, raises TypeError for anything but
         task vectors, ValueError naming the tensor for a delta of another shape than its
         parameter, and FloatingPointError naming it for a delta that is not finite (then
-        ``params`` are kept)."""
+        ``params`` are kept). A step that fails later (an overflow of the parameters' dtype)
+        leaves ``params`` and the momentum as they were."""
         deltas = task_vector_list(deltas, "OuterOptimizer.step", "worker delta")
         for index, delta in enumerate(deltas, start=1):
             for name, tensor in delta.items():
