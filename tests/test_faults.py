@@ -402,6 +402,45 @@ def test_signal_between_rounds_first_checkpoints_the_completed_round(
     assert train(config.replace(resume=True), progress=False).checksum == (reference.checksum)
 
 
+@pytest.mark.parametrize(
+    "when", ["before the final evaluation", "before the final model was written"]
+)
+def test_a_signal_after_the_last_round_still_stops_the_run(corpus, tmp_path, reference, monkeypatch,
+                                                           when):  # fmt: skip
+    """SIGTERM after the last round's outer step, or during the final evaluation: the run stops
+    (exit 130 from the CLI) with the last round checkpointed, and --resume writes the final
+    model the uninterrupted run wrote. Before: the signal was ignored, exit 0."""
+    last = reference.rounds
+    real_check, real_evaluate = loop.check_not_exploded, turns.evaluate
+
+    def check_then_sigterm(norm_before: float, norm_after: float, round_number: int) -> None:
+        real_check(norm_before, norm_after, round_number)
+        if round_number == last and when == "before the final evaluation":
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def sigterm_in_the_final_evaluation(*args, **kwargs):
+        if sys._getframe(1).f_code.co_name == "finish" and when != "before the final evaluation":
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "check_not_exploded", check_then_sigterm)
+    monkeypatch.setattr(turns, "evaluate", sigterm_in_the_final_evaluation)
+    config = tiny_config(corpus, tmp_path)
+    with pytest.raises(TrainingInterrupted) as stopped:
+        train(config, progress=False)
+    checkpoint = tmp_path / "checkpoints" / f"round-{last:06d}"
+    assert str(stopped.value) == (
+        f"interrupted after round {last}, {when}; --resume continues from {checkpoint} "
+        f"(after round {last})"
+    )
+    assert not (tmp_path / "final").exists()
+    monkeypatch.undo()
+    resumed = train(config.replace(resume=True), progress=False)
+    assert resumed.finished and resumed.checksum == reference.checksum
+    assert resumed.val_loss == reference.val_loss
+    assert rounds_logged(tmp_path) == list(range(1, last + 1))
+
+
 @pytest.mark.parametrize(("fault", "when"), [("INT", "during a round"), ("INT2", "at once")])
 def test_ctrl_c_to_mloco_train_exits_130_naming_the_checkpoint_and_resumes_exactly(
     corpus, tmp_path, reference, fault, when

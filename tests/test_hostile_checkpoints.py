@@ -166,6 +166,33 @@ def test_a_cut_token_cache_is_rebuilt(capsys, tmp_path, corpus, monkeypatch):
     )
 
 
+def test_a_token_changed_in_the_cache_is_caught_and_rebuilt(capsys, tmp_path, corpus,
+                                                           monkeypatch):  # fmt: skip
+    """A token id changed on disk, still a valid id in a file torch loads without a word (it
+    checks no checksum of the data), and a cache written before caches held their digest.
+    Before: trained on as it was, fresh and on --resume."""
+    monkeypatch.setenv("MLOCO_CACHE", str(tmp_path / "cache"))
+    args = ["train", *TRAIN, f"--data={corpus}"]
+    assert run_cli(capsys, *args, f"--out={tmp_path / 'a'}")[0] == 0
+    (cache,) = (tmp_path / "cache" / "tokens").glob("*.pt")
+    whole = cache.read_bytes()
+    for damage in ("a token changed", "no digest"):
+        cached = torch.load(cache, weights_only=True)
+        if damage == "a token changed":
+            cached["train"][10] = (cached["train"][10] + 1) % 64
+        else:
+            del cached["digest"]
+        torch.save(cached, cache)
+        out = tmp_path / damage.replace(" ", "-")
+        code, err, _ = run_cli(capsys, *args, f"--out={out}")
+        assert code == 0, err
+        assert cache.read_bytes() == whole  # healed: the same tokens, written again
+        assert torch.equal(
+            load_file(tmp_path / "a" / "final" / "model.safetensors")["lm_head.weight"],
+            load_file(out / "final" / "model.safetensors")["lm_head.weight"],
+        )
+
+
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_8_bit_float_inputs_merge_in_float32_and_keep_their_dtype(capsys, tmp_path, dtype):
     base = torch.tensor([0.5, 1.0, -2.0, 4.0]).to(dtype)

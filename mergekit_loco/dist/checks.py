@@ -1,15 +1,18 @@
-"""Checks across ranks: finite worker deltas before a merge (always); same worker layout before
-it and same bits after (debug)."""
+"""Checks across ranks: finite worker deltas before a merge and every rank's outer step taken
+after it (always); same worker layout before it and same bits after (debug); objects gathered
+from every rank (the DiLoCo driver compares its settings so)."""
 
 from __future__ import annotations
 
 import hashlib
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from mergekit_loco.dist import transport
 from mergekit_loco.dist.transport import CommStats, Transport, guarded
 from mergekit_loco.methods.plan import Layout
 
@@ -48,6 +51,45 @@ def check_finite_deltas(local_deltas: Sequence[Mapping[str, torch.Tensor]], grou
             "params kept"
         )
     return seconds
+
+
+def gather_from_ranks(value: Any, what: str, group=None) -> list:
+    """Every rank's ``value`` (a picklable object), in rank order; one guarded all-gather."""
+    everyone = [None] * dist.get_world_size(group)
+    who = f"rank {dist.get_rank(group)}"
+    guarded(who, f"all_gather_object ({what})", dist.all_gather_object, everyone, value,
+            group=group, timeout_s=transport.group_timeout_s)  # fmt: skip
+    return everyone
+
+
+def check_outer_steps_agree(
+    ok: bool, round_number: int, group=None, device: torch.device | str = "cpu"
+) -> None:
+    """Whether every rank of ``group`` took outer step ``round_number`` (1-based): one
+    all-reduce (MAX) of a failure flag per rank and the round numbers. RuntimeError on every
+    rank whose step was ``ok`` if another rank's failed (each then undoes its own step, so all
+    keep the round), and on every rank if the ranks are at different rounds."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    flags = torch.zeros(world + 2, dtype=torch.int64, device=device)
+    flags[rank] = 0 if ok else 1
+    flags[world], flags[world + 1] = round_number, -round_number
+    label = "outer step collective all_reduce (step outcomes)"
+    guarded(f"rank {rank}", label, dist.all_reduce, flags, dist.ReduceOp.MAX, group,
+            timeout_s=transport.group_timeout_s)  # fmt: skip
+    outcome = flags.tolist()
+    highest, lowest = outcome[world], -outcome[world + 1]
+    if highest != lowest:
+        raise RuntimeError(
+            f"rank {rank}: the ranks are at different outer steps ({lowest} to {highest}): a "
+            "rank skipped or retried one alone; restart every rank from the same state"
+        )
+    failed = [r for r in range(world) if outcome[r]]
+    if ok and failed:
+        raise RuntimeError(
+            f"rank {rank}: the outer step of round {round_number} failed on rank "
+            f"{failed[0]}; undone here too, so every rank keeps the round (sync() on every "
+            "rank retries it)"
+        )
 
 
 def checksum(tensor: torch.Tensor) -> str:

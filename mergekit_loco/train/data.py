@@ -168,9 +168,19 @@ def prepare_data(
     )
 
 
+def token_digest(train: torch.Tensor, val: torch.Tensor) -> str:
+    """sha256 of the train and validation token ids as stored (int32), which the token cache
+    holds to prove its tokens (torch.load checks no checksum of the data it reads)."""
+    digest = hashlib.sha256()
+    for tokens in (train, val):
+        digest.update(tokens.contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
 def load_token_cache(path: Path) -> dict | None:
-    """The token cache at ``path``, or None if there is none or it does not load (cut,
-    damaged, not ours): it is then rebuilt and replaced."""
+    """The token cache at ``path``, or None if there is none or it does not load (cut, not
+    ours, a token changed on disk, written before it held its digest): it is then rebuilt and
+    replaced."""
     try:
         cached = torch.load(path, weights_only=True)
         ok = isinstance(cached, dict) and all(
@@ -179,6 +189,7 @@ def load_token_cache(path: Path) -> dict | None:
         )
         ok = ok and isinstance(cached.get("documents"), int)
         ok = ok and isinstance(cached.get("val_documents"), list)
+        ok = ok and cached.get("digest") == token_digest(cached["train"], cached["val"])
     except FileNotFoundError:
         return None
     except Exception:  # noqa: BLE001 - any failure to load a cache means: rebuild it
@@ -231,11 +242,15 @@ def _tokenize_split(
             f"{max_train_tokens or 1:,} requested",
             "training",
         )
-    return {
+    tokens = {
         "train": _int32_tensor(train[:max_train_tokens]),
         "val": _int32_tensor(val[:val_tokens]),
+    }
+    return {
+        **tokens,
         "documents": len(documents),
         "val_documents": [document.name for document in order[:held_out]],
+        "digest": token_digest(tokens["train"], tokens["val"]),
     }
 
 

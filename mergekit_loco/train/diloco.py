@@ -16,16 +16,18 @@ One outer step, for the trainable parameters theta (frozen ones and ``exclude`` 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import numbers
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from mergekit_loco.dist.checks import check_outer_steps_agree, checksum, gather_from_ranks
 from mergekit_loco.methods import MergeMethod, get_method
 from mergekit_loco.methods.base import check_implemented
 from mergekit_loco.task_vector import TaskVector
@@ -179,6 +181,7 @@ def apply_pseudo_gradient(
     outer: torch.optim.Optimizer,
     previous: Mapping[str, torch.Tensor] | None = None,
     backup_device: torch.device | None = None,
+    agree: Callable[[bool], None] | None = None,
 ) -> None:
     """``p.grad = -merged[name]`` (in p's dtype) for every ``params`` entry, ``outer.step()``,
     gradients cleared. Before any change, raises ValueError naming the tensor if ``merged``
@@ -187,7 +190,9 @@ def apply_pseudo_gradient(
     finite (an overflow of its dtype). A step that fails changes nothing: the parameters go
     back to ``previous`` (their values before the step; None: a copy is taken) and the
     optimizer's state to its copy taken before (on ``backup_device``, if given), so a retry
-    ends on the bits of a step that never failed."""
+    ends on the bits of a step that never failed. ``agree`` (several ranks) is called with
+    whether this rank's step succeeded and raises if another rank's failed: then this rank's
+    step is undone too, and every rank keeps the round."""
     if set(merged) != set(params):
         name = sorted(set(merged) ^ set(params))[0]
         where = "is not a parameter" if name in merged else "is missing from the merged deltas"
@@ -206,22 +211,56 @@ def apply_pseudo_gradient(
         }
     state = copied_state(outer.state_dict(), backup_device)
     try:
-        for name, param in params.items():
-            param.grad = -merged[name].to(device=param.device, dtype=param.dtype)
-        outer.step()
-        for name, param in params.items():
-            if not torch.isfinite(param).all():
-                raise FloatingPointError(
-                    f"the outer step left parameter {name!r} not finite (its {param.dtype} "
-                    "overflows: a smaller outer lr, or a wider dtype)"
-                )
-    except BaseException:  # half a step, or an overflow: back to before it
+        try:
+            for name, param in params.items():
+                param.grad = -merged[name].to(device=param.device, dtype=param.dtype)
+            outer.step()
+            for name, param in params.items():
+                if not torch.isfinite(param).all():
+                    raise FloatingPointError(
+                        f"the outer step left parameter {name!r} not finite (its {param.dtype} "
+                        "overflows: a smaller outer lr, or a wider dtype)"
+                    )
+        except Exception:
+            if agree is not None:  # the other ranks learn of it and undo their steps
+                with contextlib.suppress(Exception):
+                    agree(False)
+            raise
+        finally:  # a failed step leaves no pseudo-gradient behind
+            outer.zero_grad(set_to_none=True)
+        if agree is not None:
+            agree(True)
+    except BaseException:  # half a step, an overflow, another rank's failure: undone
         for name, param in params.items():
             param.copy_(previous[name])
         outer.load_state_dict(state)
         raise
-    finally:  # a failed step leaves no pseudo-gradient behind
-        outer.zero_grad(set_to_none=True)
+
+
+def first_difference(mine: Any, theirs: Any) -> str:
+    """``mine`` vs ``theirs`` where they first differ: an entry of two equally long lists, a
+    key of two mappings; else the whole values (strings as they are)."""
+    if isinstance(mine, list) and isinstance(theirs, list) and len(mine) == len(theirs):
+        return next(first_difference(a, b) for a, b in zip(mine, theirs, strict=True) if a != b)
+    if isinstance(mine, dict) and isinstance(theirs, dict) and set(mine) == set(theirs):
+        key = next(key for key in mine if mine[key] != theirs[key])
+        return f"{key} {mine[key]} vs {theirs[key]}"
+    if isinstance(mine, str) and isinstance(theirs, str):
+        return f"{mine} vs {theirs}"
+    return f"{mine!r} vs {theirs!r}"
+
+
+def outcome_check(
+    group: dist.ProcessGroup | None, round_number: int, params: Mapping[str, torch.Tensor]
+) -> Callable[[bool], None] | None:
+    """The ``agree`` of :func:`apply_pseudo_gradient` under a process group of 2 or more
+    ranks (:func:`~mergekit_loco.dist.checks.check_outer_steps_agree`); None on one rank."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return None
+    device = next(iter(params.values())).device
+    return functools.partial(
+        check_outer_steps_agree, round_number=round_number, group=group, device=device
+    )
 
 
 class DiLoCo:
@@ -355,6 +394,7 @@ class DiLoCo:
         self.last_outer_seconds = 0.0  # wall time of the last outer step, aggregation included
         self._hooks: list = []
         self._started = False  # an inner step, a sync or a loaded state fixed theta_global
+        self._ranks_agree = False  # checked at the first entry, and again after a load
 
     # -- hooks ------------------------------------------------------------------------------------
     def __enter__(self) -> DiLoCo:
@@ -369,6 +409,8 @@ class DiLoCo:
             )
         if not self._started:  # weights loaded after construction are the starting point
             self.snapshot_global()
+        if not self._ranks_agree:
+            self.check_ranks_agree()
         try:
             for worker, optimizer in enumerate(self.inner_optimizers):
                 pre = functools.partial(self._check_turn, worker)
@@ -397,6 +439,8 @@ class DiLoCo:
                 "the next inner step (the step was not taken)"
             )
         self.check_trainable()
+        if not self._ranks_agree:
+            self.check_ranks_agree()
         turn = len(self.pending)
         if worker != turn:
             raise RuntimeError(
@@ -404,6 +448,61 @@ class DiLoCo:
                 f"workers take turns in order, {self.sync_every} steps each (the step was not "
                 "taken)"
             )
+
+    def settings(self) -> list[tuple[str, Any]]:
+        """What every rank's driver must hold alike, as ``(label, value)`` pairs."""
+        outer = self.outer_optimizer
+        groups = [
+            {key: repr(value) for key, value in group.items() if key != "params"}
+            | {"parameters": len(group["params"])}
+            for group in outer.param_groups
+        ]
+        return [
+            ("the workers (inner optimizers)", len(self.inner_optimizers)),
+            ("the sync_every values", self.sync_every),
+            ("the aggregators", repr(self.method)),
+            ("the compressions", self.compression),
+            (
+                "the driven parameters",
+                [(n, list(p.shape), str(p.dtype)) for n, p in self.params.items()],
+            ),
+            ("the outer optimizers", type(outer).__qualname__),
+            ("the outer optimizers' settings", groups),
+            ("the outer steps taken", self.outer_steps),
+            ("the inner steps into the turn", self.local_steps),
+            ("the finished turns of the round", len(self.pending)),
+        ]
+
+    def check_ranks_agree(self) -> None:
+        """Under a process group of 2 or more ranks, ValueError on every rank, naming the first
+        difference, unless every rank's driver was built alike (:meth:`settings`) and holds
+        the same global parameters, bit for bit: else the ranks would pair different rounds
+        or apply one merged delta to different weights, and drift apart without an error."""
+        group = self.process_group
+        if not dist.is_initialized() or dist.get_world_size(group) == 1:
+            self._ranks_agree = True
+            return
+        weights = [(name, checksum(t)) for name, t in self.global_params.items()]
+        everyone = gather_from_ranks((self.settings(), weights), "DiLoCo settings", group)
+        (settings, weights) = everyone[0]
+        for rank, (theirs, their_weights) in enumerate(everyone[1:], start=1):
+            for (label, value), (_, other) in zip(settings, theirs, strict=True):
+                if value != other:
+                    raise ValueError(
+                        f"DiLoCo: {label} differ between rank 0 and rank {rank}: "
+                        f"{first_difference(value, other)}: every rank must build its driver "
+                        "alike (same aggregator and options, sync_every, workers and outer "
+                        "optimizer) and be at the same round"
+                    )
+            for (name, digest), (_, other) in zip(weights, their_weights, strict=True):
+                if digest != other:
+                    raise ValueError(
+                        f"DiLoCo: the global parameter {name!r} differs between rank 0 and "
+                        f"rank {rank}: every rank must start from the same weights (seed the "
+                        "init alike, torch.manual_seed before building the model, or load the "
+                        "same checkpoint) before the first `with driver:`"
+                    )
+        self._ranks_agree = True
 
     def check_trainable(self) -> None:
         """RuntimeError naming a parameter whose ``requires_grad`` changed since the driver was
@@ -485,6 +584,8 @@ class DiLoCo:
                 "driver:` (its optimizer hooks count them), then sync"
             )
         self.check_trainable()
+        if not self._ranks_agree:
+            self.check_ranks_agree()
         if self.local_steps == 0 and len(self.pending) == len(self.inner_optimizers):
             return self.step_if_due()  # an outer step that failed: retried
         if self.local_steps == 0 and not self.pending:
@@ -510,7 +611,12 @@ class DiLoCo:
         )
         self.restore_global()
         apply_pseudo_gradient(
-            merged, self.params, self.outer_optimizer, self.global_params, self.backup_device
+            merged,
+            self.params,
+            self.outer_optimizer,
+            self.global_params,
+            self.backup_device,
+            outcome_check(self.process_group, self.outer_steps + 1, self.params),
         )
         for name, param in self.params.items():
             self.global_params[name].copy_(param.detach())
@@ -659,5 +765,6 @@ class DiLoCo:
         self.outer_steps = int(state["outer_steps"])
         self.pending = [TaskVector(dict(delta)) for delta in state.get("pending", [])]
         self._started = True
+        self._ranks_agree = False  # checked again before the next inner or outer step
         if self.local_steps == 0:
             self.restore_global()

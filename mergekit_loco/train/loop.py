@@ -34,6 +34,7 @@ from mergekit_loco.train.guards import (
     last_good_message,
     naming_the_last_checkpoint,
     parameter_norm,
+    resume_message,
 )
 from mergekit_loco.train.model import parameter_checksum
 from mergekit_loco.train.progress import ProgressDisplay, print_summary
@@ -103,7 +104,7 @@ def train(config: TrainConfig, progress: bool = True) -> TrainResult:
                 if config.run.stop_after is not None and run.completed >= config.run.stop_after:
                     break
         with failing_resumably(run), interrupted_at_once(run):
-            return finish(run, summary=show and group.is_main)
+            return finish(run, stop, summary=show and group.is_main)
 
 
 def note_resume(run: Run, show: bool) -> None:
@@ -200,7 +201,16 @@ def log_round(run: Run, train_loss: float, round_seconds: float) -> None:
         run.save(completed)
 
 
-def finish(run: Run, summary: bool) -> TrainResult:
+def stop_if_requested(run: Run, stop: StopSignals, when: str) -> None:
+    """After the last round, a stop asked for (SIGINT / SIGTERM) still stops the run, exit 130,
+    as during it: the last round is checkpointed, and ``--resume`` evaluates and saves the final
+    model."""
+    if stop.requested:
+        run.save_unless_saved(run.rounds)
+        raise TrainingInterrupted(resume_message(when, run.last_saved, run.out))
+
+
+def finish(run: Run, stop: StopSignals, summary: bool) -> TrainResult:
     """Final evaluation and model (after the last round), the final metrics line, the result.
     Its ``seconds`` are the run's wall time over all its invocations."""
     config, group = run.config, run.group
@@ -209,8 +219,10 @@ def finish(run: Run, summary: bool) -> TrainResult:
     if run.completed < run.rounds:  # stop_after: no final model, resume continues
         return TrainResult(run.out, None, run.completed, checksum, tokens, run.wall_seconds,
                            finished=False)  # fmt: skip
+    stop_if_requested(run, stop, f"after round {run.rounds}, before the final evaluation")
     val_loss = turns.evaluate(run.model, run.data, config) if group.is_main else None
     val_loss = group.broadcast(val_loss)
+    stop_if_requested(run, stop, f"after round {run.rounds}, before the final model was written")
     try:
         check_finite_val_loss(val_loss, run.rounds)
     except TrainingDiverged as error:

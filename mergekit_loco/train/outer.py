@@ -23,6 +23,7 @@ from mergekit_loco.train.diloco import (
     apply_pseudo_gradient,
     check_compression,
     check_compression_has_ranks,
+    outcome_check,
     resolve_aggregator,
 )
 
@@ -149,8 +150,8 @@ class OuterOptimizer:
         place; returns the merged delta. Before any compute, raises TypeError for anything but
         task vectors, ValueError naming the tensor for a delta of another shape than its
         parameter, and FloatingPointError naming it for a delta that is not finite (then
-        ``params`` are kept). A step that fails later (an overflow of the parameters' dtype)
-        leaves ``params`` and the momentum as they were."""
+        ``params`` are kept). A step that fails later (an overflow of the parameters' dtype,
+        or on another rank) leaves ``params`` and the momentum as they were."""
         deltas = task_vector_list(deltas, "OuterOptimizer.step", "worker delta")
         for index, delta in enumerate(deltas, start=1):
             for name, tensor in delta.items():
@@ -167,7 +168,8 @@ class OuterOptimizer:
             group=self.process_group,
             compression=self.compression,
         )
-        apply_pseudo_gradient(merged, self.params, self.sgd)
+        agree = outcome_check(self.process_group, self.steps_taken + 1, self.params)
+        apply_pseudo_gradient(merged, self.params, self.sgd, agree=agree)
         self.steps_taken += 1
         return merged
 
