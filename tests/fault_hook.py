@@ -6,7 +6,8 @@ SIGNAL ``OOM`` raises ``torch.OutOfMemoryError`` there instead, ``INT2`` sends S
 second Ctrl-C before the first has stopped the run).
 
 ``python tests/fault_launcher.py train ...`` (also under torchrun) is ``mloco train ...`` with
-the fault of ``MLOCO_FAULT_AT`` installed.
+the fault of ``MLOCO_FAULT_AT`` installed. :class:`FailsAfterStepping` is an outer optimizer
+that fails half-way, for the DiLoCo driver's tests.
 """
 
 from __future__ import annotations
@@ -52,3 +53,15 @@ def install(fault: str, monkeypatch=None) -> None:
     patch = monkeypatch.setattr if monkeypatch is not None else setattr
     patch(rounds, "worker_turn", worker_turn)
     patch(DiLoCo, "outer_step", outer_step)
+
+
+class FailsAfterStepping(torch.optim.SGD):
+    """SGD whose step, once armed, raises after updating everything (a device lost mid-step)."""
+
+    armed = False
+
+    def step(self, closure=None):
+        super().step(closure)
+        if self.armed:
+            self.armed = False
+            raise RuntimeError("the device went away mid-step")

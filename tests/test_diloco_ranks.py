@@ -11,20 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from fault_hook import FailsAfterStepping
 
 import mergekit_loco as ml
-
-
-class FailsAfterStepping(torch.optim.SGD):
-    """SGD whose step, once armed, raises after updating everything (a device lost mid-step)."""
-
-    armed = False
-
-    def step(self, closure=None):
-        super().step(closure)
-        if self.armed:
-            self.armed = False
-            raise RuntimeError("the device went away mid-step")
 
 
 def build(rank: int, change: str | None = None, seed: int = 0):

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from fault_hook import FailsAfterStepping
 
 import mergekit_loco as ml
 
@@ -526,18 +527,6 @@ def test_nesterov_without_momentum_and_a_step_that_overflows_are_named():
     delta = ml.TaskVector({"w": torch.full((2,), 1e4, dtype=torch.float16)})
     with pytest.raises(FloatingPointError, match="outer step left parameter 'w' not finite"):
         ml.OuterOptimizer(params, lr=1.0).step([delta])  # 6e4 + 1e4 > 65504
-
-
-class FailsAfterStepping(torch.optim.SGD):
-    """SGD whose step, once armed, raises after updating everything (a device lost mid-step)."""
-
-    armed = False
-
-    def step(self, closure=None):
-        super().step(closure)
-        if self.armed:
-            self.armed = False
-            raise RuntimeError("the device went away mid-step")
 
 
 @pytest.mark.parametrize("failure", ["overflow", "raises after stepping"])

@@ -457,3 +457,33 @@ def test_resume_into_another_of_our_folders_says_what_it_is(capsys, tmp_path, co
     assert_refused(code, err, f"{folder} is not a run folder (it is a compare sweep folder): "
                    "start a run with another --out")  # fmt: skip
     assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("damage", ["cut", "deleted"])
+def test_a_resume_names_the_rounds_its_metrics_log_lacks(capsys, tmp_path, corpus, stopped, damage):
+    """``metrics.jsonl`` cut short or deleted before ``--resume``: the run resumes (the log is
+    not needed to train) and says which rounds' lines are lost. Before: not a word."""
+    run = tmp_path / "run"
+    shutil.copytree(stopped, run)
+    metrics = run / "metrics.jsonl"
+    if damage == "cut":
+        lines = [line for line in metrics.read_text().splitlines(keepends=True)
+                 if json.loads(line).get("event") != "round"]  # fmt: skip
+        metrics.write_text("".join(lines))
+    else:
+        metrics.unlink()
+    code, err, _ = run_cli(capsys, "train", *TRAIN, f"--data={corpus}", f"--out={run}", "--resume")
+    assert code == 0, err
+    assert err == (
+        f"note: {metrics} lacks round 1 of the 1 before the checkpoint (cut or deleted): their "
+        "losses stay out of the log and its curves\n"
+    )
+    logged = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [e["round"] for e in logged if e["event"] == "round"] == [2]
+
+
+def test_round_spans_join_consecutive_rounds():
+    from mergekit_loco.train.loop import round_spans
+
+    assert round_spans([3]) == "round 3"
+    assert round_spans([1, 2, 3, 5, 7, 8]) == "rounds 1-3, 5, 7-8"

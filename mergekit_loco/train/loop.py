@@ -19,7 +19,7 @@ from pathlib import Path
 from mergekit_loco.console import print_line
 from mergekit_loco.dist import modelled_comm_stats
 from mergekit_loco.io.lock import FolderLock
-from mergekit_loco.run_layout import FINAL, LATEST
+from mergekit_loco.run_layout import FINAL, LATEST, METRICS
 from mergekit_loco.train import rounds as turns
 from mergekit_loco.train.checkpoint import pointed_name
 from mergekit_loco.train.config import TrainConfig, preset_config
@@ -107,6 +107,18 @@ def train(config: TrainConfig, progress: bool = True) -> TrainResult:
             return finish(run, stop, summary=show and group.is_main)
 
 
+def round_spans(rounds: list[int]) -> str:
+    """``round 3``, ``rounds 1-3, 5``: sorted round numbers, runs of consecutive ones joined."""
+    spans: list[list[int]] = []
+    for number in rounds:
+        if spans and number == spans[-1][1] + 1:
+            spans[-1][1] = number
+        else:
+            spans.append([number, number])
+    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
+    return f"round {text}" if len(rounds) == 1 else f"rounds {text}"
+
+
 def note_resume(run: Run, show: bool) -> None:
     """Say (``show``) where a resumed run continues from, or that it had already finished; and,
     even when quiet, on stderr, that ``checkpoints/latest`` named a folder no longer there."""
@@ -120,6 +132,11 @@ def note_resume(run: Run, show: bool) -> None:
         pointer = "is empty" if not named and exists else pointer
         print_line(f"note: {path.parent / LATEST} {pointer}; resuming from {path.name}, the "
                    "newest checkpoint left")  # fmt: skip
+    missing = run.metrics.missing_rounds
+    if missing and run.group.is_main:
+        print_line(f"note: {run.out / METRICS} lacks {round_spans(missing)} of the {saved_round} "
+                   "before the checkpoint (cut or deleted): their losses stay out of the log "
+                   "and its curves")  # fmt: skip
     if not show:
         return
     if saved_round >= run.rounds:

@@ -366,14 +366,20 @@ class MetricsLog:
     it finished) keeps its old final validation loss as an eval event of that round.
     ``resumed_train_loss``: the train loss logged for the checkpoint's round (the final line of
     a run resumed after its last round repeats it), None when the log does not hold it.
+    ``missing_rounds``: the rounds up to the checkpoint's that the log lacks (cut, deleted).
     """
 
     def __init__(self, path: Path, enabled: bool, keep_until_round: int, rounds: int):
         self.path = path
         self.enabled = enabled
         self.resumed_train_loss: float | None = None
+        self.missing_rounds: list[int] = []
+        if enabled and not path.is_file():
+            self.missing_rounds = list(range(1, keep_until_round + 1))
         if enabled and path.is_file():
             events = read_events(path)
+            logged = {e.get("round") for _, e in events if e.get("event") == "round"}
+            self.missing_rounds = [r for r in range(1, keep_until_round + 1) if r not in logged]
             evaluated = {e["round"] for _, e in events if e.get("event") == "eval" and "round" in e}
             kept = []
             for line, event in events:
