@@ -232,6 +232,25 @@ def test_paired_interval_by_hand():
     assert paired_interval({0: 1.0}, {1: 1.0}).n == 0
 
 
+def test_the_same_difference_on_every_seed_is_no_interval():
+    """Exactly (-0.5 on every seed) or up to float rounding (``a = b + 0.1``: an sd of about
+    1e-16): no width, no evidence. Before: an ordering ``a < b`` and a printed interval
+    ``[-0.5000, -0.5000]`` without n.s.; the offset copy was a "fails" with p = 2e-30."""
+    b = {0: 3.8995, 1: 4.7027, 2: 4.3867}
+    offset = paired_interval({s: v + 0.1 for s, v in b.items()}, b)
+    assert 0 < offset.std < 1e-15 and offset.constant and offset.separated is None
+    exact = {"a": {0: 4.0, 1: 4.25, 2: 4.5}, "b": {0: 4.5, 1: 4.75, 2: 5.0}}
+    interval = paired_interval(exact["a"], exact["b"])
+    assert interval.std == 0 and interval.constant and interval.separated is None
+    assert format_interval(interval) == "-0.5000 (same on every seed)"
+    assert ordering(exact) == "a ~ b"
+    assert not paired_interval({0: 1.0, 1: 2.0}, {0: 1.5, 1: 2.6}).constant  # sd 0.07
+    # a failed run on each side: differences +inf and -inf have no mean (before: fsum raised)
+    failed = {"a": {0: math.inf, 1: 4.0, 2: 4.1}, "b": {0: 4.2, 1: math.inf, 2: 4.3}}
+    assert ordering(failed) == "a ~ b"
+    assert format_interval(paired_interval(failed["a"], failed["b"])) == "-"
+
+
 @pytest.mark.parametrize("confidence", [95, 1.0, 0, -0.5, math.nan, True, "0.95"])
 def test_a_confidence_that_is_no_probability_is_refused(confidence):
     """Before, 95 (a percentage) gave a NaN interval and ``ordering`` said "can't tell" of a
@@ -333,13 +352,18 @@ def test_claims_name_failed_seeds_and_short_pairs(tmp_path, capsys):
     assert "| isoloco | failed (seeds 0) |" in text
     assert claims.loss_rows([rows[("dp", 1, 0)]], []) == []  # only the baseline finished yet
     assert "| 2. IsoLoCo beats DiLoCo | cannot tell (a run failed) (n=3) |" in text
-    # a failure on a seed the other cell did not run blocks nothing: seeds 0, 1 pair up,
-    # -0.2 and -0.1: mean -0.15, se 0.05, half 12.7062 x 0.05 = 0.6353
+    # a failure on a seed the other cell did not run is named too (before: seeds 0, 1 paired
+    # up and the failure was dropped: "holds" where the .md says "cannot tell")
     ties = dataclasses.replace(rows[("dp", 1, 0)], aggregator="ties", workers=2, inner_steps=2,
                                losses={0: 4.2, 1: 4.4, 2: math.inf})  # fmt: skip
-    assert sweep_report.format_difference(ties, rows[("dp", 1, 0)]) == (
-        "-0.1500 [-0.7853, +0.4853] n.s. (n=2)"
+    assert sweep_report.format_difference(ties, rows[("dp", 1, 0)]) == "failed (seeds 2)"
+    hidden = {**rows, ("isoloco", 2, 2): dataclasses.replace(
+        rows[("isoloco", 2, 2)], losses={0: math.inf, 1: 4.0, 2: 4.1, 3: 4.05})}  # fmt: skip
+    hidden[("diloco", 2, 2)] = dataclasses.replace(
+        rows[("diloco", 2, 2)], losses={1: 4.3, 2: 4.45, 3: 4.4}
     )
+    (found,) = [f for f in claims.verdicts(hidden) if f["claim"].startswith("2.")]
+    assert found["verdict"] == "cannot tell (a run failed)"
     rows[("isoloco", 2, 2)] = dataclasses.replace(
         rows[("isoloco", 2, 2)], losses={0: 4.3, 1: 4.7, 2: 4.8}
     )  # finished on every seed: against dp, seeds 0 and 1 pair up (-0.1 and +0.2)
@@ -409,6 +433,11 @@ def test_claim_verdicts_by_hand():
     twice = {f["claim"]: f for f in claims.verdicts(rows)}["4. TIES vs DiLoCo"]
     assert twice["verdict"] == "cannot tell (every seed differs by the same amount: check the runs)"
     assert twice["p"] is None
+    # the same up to float rounding (sd 5e-16; before: "fails", p about 1e-30)
+    rows[("ties", 2, 10)] = row("ties", {s: (v * 10 + 1) / 10 for s, v in base.items()})
+    assert 0 < paired_interval(rows[("ties", 2, 10)].losses, base).std < 1e-15
+    offset = {f["claim"]: f for f in claims.verdicts(rows)}["4. TIES vs DiLoCo"]
+    assert offset["verdict"].startswith("cannot tell (every seed differs by the same amount")
     del rows[("ties", 2, 10)]
     # p-values: scipy's paired t-test on the same numbers
     expected = ttest_rel(list(shifted.values()), list(base.values())).pvalue
@@ -466,8 +495,9 @@ def test_tuning_picks_the_mean_over_r_and_flags_grid_edges(tmp_path):
 
 def test_grid_edges_by_hand():
     """Each coordinate of the chosen setting against the values tried with the other held at
-    its chosen value: lowest, highest, interior, or one value (no edge); no momentum (outer
-    SGD) has no momentum edge."""
+    its chosen value: lowest, highest, interior, or the only value tried there while the grid
+    holds others (before: no edge, so an optimum an uneven extension left unbracketed passed);
+    no momentum (outer SGD) has no momentum edge, one value in all none either."""
     edges = sweep_report.grid_edges
     full = [(lr, m) for lr in (0.5, 1.0, 2.0) for m in (0.8, 0.9)]
     assert edges(full, (0.5, 0.8)) == ("outer lr: lowest tried", "outer momentum: lowest tried")
@@ -477,7 +507,13 @@ def test_grid_edges_by_hand():
     extended = [*full, (0.5, 0.7)]
     assert edges(extended, (0.5, 0.8)) == ("outer lr: lowest tried",)
     assert edges(extended, (1.0, 0.8)) == ("outer momentum: lowest tried",)
-    assert edges(extended, (0.5, 0.7)) == ("outer momentum: lowest tried",)  # lr 0.5 alone there
+    assert edges(extended, (0.5, 0.7)) == (  # lr 0.5 alone at momentum 0.7
+        "outer lr: the only one tried at this momentum",
+        "outer momentum: lowest tried",
+    )
+    uneven = [(0.35, 0.7), (0.35, 0.8), (0.5, 0.7), (0.5, 0.8), (0.248, 0.5), (0.248, 0.6),
+              (0.248, 0.7)]  # fmt: skip
+    assert edges(uneven, (0.248, 0.6)) == ("outer lr: the only one tried at this momentum",)
     assert edges([(0.8, None), (1.6, None)], (0.8, None)) == ("outer lr: lowest tried",)
     assert edges([(1.6, None)], (1.6, None)) == ()
 
@@ -640,6 +676,7 @@ def test_protocol_decisions_by_hand(tmp_path, capsys):
             "outer_momentum": 0.2,
             "grid_edges": ["outer momentum: lowest tried"],
             "grid_edges_at_R": {"2": ["outer momentum: lowest tried"], "8": []},
+            "best_at_R": {"2": [1.8, 0.2], "8": [1.8, 0.4]},
         }
     ]
     (floor / "runs").mkdir(parents=True)
@@ -652,9 +689,12 @@ def test_protocol_decisions_by_hand(tmp_path, capsys):
     assert "isoloco (outer momentum: lowest tried)" in err
     assert "isoloco R=2 (outer momentum: lowest tried)" in err
     write_run(floor, "isoloco-R2-m0.1-s900", "isoloco", 2, 900, 5.0, outer_momentum=0.1)
-    (floor / sweep_report.TUNED_FILE).write_text(
-        json.dumps([{**at_lowest[0], "outer_momentum": 0.1}])
-    )
+    # momentum 0.1 tried, but the best still at 0.2, the lowest at its lr: still an edge
+    # (before: accepted, as the floor was tested on the lowest momentum tried anywhere)
+    assert decide.main(["flags", str(floor)]) == 1
+    assert "isoloco R=2 (outer momentum: lowest tried)" in capsys.readouterr().err
+    at_floor = {"outer_momentum": 0.1, "best_at_R": {"2": [1.8, 0.1], "8": [1.8, 0.4]}}
+    (floor / sweep_report.TUNED_FILE).write_text(json.dumps([{**at_lowest[0], **at_floor}]))
     assert decide.main(["flags", str(floor)]) == 0
     captured = capsys.readouterr()
     assert captured.out == "--outer-lr-grid isoloco=1.8 --outer-momentum-grid isoloco=0.1\n"

@@ -31,7 +31,7 @@ from mergekit_loco.compare.stats import PairedInterval, paired_difference, paire
 from mergekit_loco.compare.sweep_report import (
     SummaryRow,
     describe_setting,
-    failed_shared_seeds,
+    failed_seeds,
     format_difference,
     orderings,
     summarize,
@@ -93,10 +93,10 @@ def verdict(interval: PairedInterval, kind: str, a: str, b: str) -> str:
     """The claim's reading of one interval of ``a - b`` (see :data:`CLAIMS`). Seeds that all
     differ by exactly the same amount give a zero-width interval: no evidence, but a sign that
     two cells are one run or share their seeds' randomness, so it is named, not read."""
+    if interval.constant:
+        return "cannot tell (every seed differs by the same amount: check the runs)"
     if interval.separated is None:
         return "cannot tell (no interval)"
-    if interval.std == 0:
-        return "cannot tell (every seed differs by the same amount: check the runs)"
     if kind == "close":
         if -CLOSE < interval.low and interval.high < CLOSE:
             return "holds"
@@ -116,7 +116,7 @@ def p_value(interval: PairedInterval) -> float:
     (0 when every difference is the same nonzero number)."""
     from scipy.stats import t as student_t
 
-    if interval.std == 0:
+    if interval.constant:
         return 0.0 if interval.mean != 0 else 1.0
     statistic = abs(interval.mean) / (interval.std / math.sqrt(interval.n))
     return float(2 * student_t.sf(statistic, interval.n - 1))
@@ -145,13 +145,13 @@ def verdicts(rows: Mapping[tuple, SummaryRow]) -> list[dict]:
             left, right = rows.get(key(a, workers, steps)), rows.get(key(b, workers, steps))
             if left is None or right is None:
                 continue
-            if failed_shared_seeds(left, right):
+            if failed_seeds(left, right):
                 shared = len(set(left.losses) & set(right.losses))
                 found.append({"claim": claim, "R": workers, "H": steps, "n": shared,
                               "verdict": "cannot tell (a run failed)", "p": None})  # fmt: skip
                 continue
             interval = paired_interval(left.losses, right.losses)
-            tested = kind != "close" and interval.separated is not None and interval.std != 0
+            tested = kind != "close" and interval.separated is not None
             found.append({"claim": claim, "R": workers, "H": steps, "n": interval.n,
                           "verdict": verdict(interval, kind, a, b),
                           "p": p_value(interval) if tested else None})  # fmt: skip

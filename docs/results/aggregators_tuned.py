@@ -141,8 +141,8 @@ def flags(folder: str, aggregators: str | None = None) -> int:
     """``--outer-lr-grid name=lr ... --outer-momentum-grid name=m ...`` of tuned.json (of the
     comma-separated ``aggregators`` only, when given). Refused while a run of the folder is
     unfinished, a setting was left out of the tuning, or an optimum (over R, or at any one R)
-    sits on a grid edge, except the lowest momentum once it is :data:`MOMENTUM_FLOOR` or
-    below."""
+    sits on a grid edge, except the lowest momentum once that chosen momentum (over R, or the
+    R's own) is :data:`MOMENTUM_FLOOR` or below."""
     runs = load_runs(folder)
     pending = [run.name for run in runs if run.status == "unfinished"]
     if pending:
@@ -167,9 +167,8 @@ def flags(folder: str, aggregators: str | None = None) -> int:
         if entry["mean_loss"] is None:
             problems.append(f"{name} (no setting finished at every R on the same seeds)")
             continue
-        momenta = [run.outer_momentum for run in runs
-                   if run.aggregator == name and run.outer_momentum is not None]  # fmt: skip
-        floored = bool(momenta) and min(momenta) <= MOMENTUM_FLOOR
+        chosen = {"": entry["outer_momentum"]}  # the momentum each edge is about
+        chosen |= {f" R={r}": best[1] for r, best in entry.get("best_at_R", {}).items()}
         say(f"{name}: outer lr {entry['outer_lr']:g}, momentum {entry['outer_momentum']}, mean "
             f"loss {float(entry['mean_loss']):.4f} over R {entry['workers']}")  # fmt: skip
         words.append(f"--outer-lr-grid {name}={entry['outer_lr']:g}")
@@ -180,8 +179,9 @@ def flags(folder: str, aggregators: str | None = None) -> int:
                   for workers, edges_at_r in entry.get("grid_edges_at_R", {}).items()
                   for edge in edges_at_r]  # fmt: skip
         for where, edge in edges:
-            if floored and edge == AT_LOWEST_MOMENTUM:
-                say(f"{name}{where}: best at the lowest momentum, {min(momenta):g}, the grid's "
+            momentum = chosen.get(where)
+            if edge == AT_LOWEST_MOMENTUM and momentum is not None and momentum <= MOMENTUM_FLOOR:
+                say(f"{name}{where}: best at the lowest momentum, {momentum:g}, the grid's "
                     f"floor (momentum 0 is outer SGD)")  # fmt: skip
             else:
                 problems.append(f"{name}{where} ({edge})")

@@ -16,6 +16,10 @@ from dataclasses import dataclass
 #: confidence of every interval in the reports.
 CONFIDENCE = 0.95
 
+#: differences whose sd is at most this times ``max(1, |mean|)`` are one number repeated, up to
+#: float rounding (``a = b + 0.1`` seed by seed gives an sd of about 1e-16, not 0)
+CONSTANT_TOLERANCE = 1e-12
+
 
 @dataclass(frozen=True)
 class Spread:
@@ -39,6 +43,8 @@ def spread(values: Iterable[float]) -> Spread:
         mean = math.fsum(values) / n
     except OverflowError:  # values near the float maximum (a damaged file): the same, scaled
         mean = math.fsum(v / n for v in values)
+    except ValueError:  # inf and -inf (a failed run on each side of a difference): no mean
+        mean = math.nan
     if n < 2 or not all(math.isfinite(v) for v in values):
         std = math.nan
     else:
@@ -75,10 +81,21 @@ class PairedInterval:
     confidence: float
 
     @property
+    def constant(self) -> bool:
+        """Every seed differs by the same amount (:data:`CONSTANT_TOLERANCE`): a zero-width
+        interval, no evidence, but a sign that the two are one run or share their randomness."""
+        if self.n < 2 or not math.isfinite(self.std):
+            return False
+        return self.std <= CONSTANT_TOLERANCE * max(1.0, abs(self.mean))
+
+    @property
     def separated(self) -> bool | None:
         """True when the interval excludes 0 (a real difference), False when it holds 0, None
-        when there is no interval (fewer than two seeds, a failed run)."""
+        when there is no interval (fewer than two seeds, a failed run) or it has no width
+        (:attr:`constant`)."""
         if self.n < 2 or not (math.isfinite(self.low) and math.isfinite(self.high)):
+            return None
+        if self.constant:
             return None
         return self.low > 0 or self.high < 0
 
@@ -148,11 +165,13 @@ def ordering(losses: Mapping[str, Mapping[int, float]], confidence: float = CONF
 
 
 def format_interval(interval: PairedInterval, digits: int = 4) -> str:
-    """``-0.0400 [-0.0520, -0.0280]`` (separated), ``+0.0012 [-0.0100, +0.0124] n.s.``, or
-    ``+0.0012 ?`` (one seed: no interval)."""
+    """``-0.0400 [-0.0520, -0.0280]`` (separated), ``+0.0012 [-0.0100, +0.0124] n.s.``,
+    ``+0.0012 ?`` (one seed: no interval), or ``-0.5000 (same on every seed)``."""
     if math.isnan(interval.mean):
         return "-"
     text = f"{interval.mean:+.{digits}f}"
+    if interval.constant:
+        return text + " (same on every seed)"
     if interval.separated is None:
         return text + " ?"
     text += f" [{interval.low:+.{digits}f}, {interval.high:+.{digits}f}]"

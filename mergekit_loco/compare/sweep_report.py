@@ -75,10 +75,12 @@ class SummaryRow:
 def grid_edges(settings: Iterable[Setting], chosen: Setting) -> tuple[str, ...]:
     """``("outer lr: highest tried", ...)`` for each coordinate of ``chosen`` that is the
     lowest or highest of two or more values tried (the other coordinate held at its chosen
-    value)."""
+    value), or the only one tried there where the grid holds others (``"outer lr: the only
+    one tried at this momentum"``: an uneven grid left the optimum unbracketed)."""
     edges = []
     settings = list(settings)
-    for index, name in enumerate(("outer lr", "outer momentum")):
+    names = ("outer lr", "outer momentum")
+    for index, name in enumerate(names):
         values = sorted(
             {
                 s[index]
@@ -86,7 +88,12 @@ def grid_edges(settings: Iterable[Setting], chosen: Setting) -> tuple[str, ...]:
                 if s[1 - index] == chosen[1 - index] and s[index] is not None
             }
         )
-        if len(values) < 2 or chosen[index] is None:
+        if chosen[index] is None:
+            continue
+        if len(values) < 2:
+            if len({s[index] for s in settings if s[index] is not None}) > 1:
+                other = names[1 - index].removeprefix("outer ")
+                edges.append(f"{name}: the only one tried at this {other}")
             continue
         if chosen[index] == values[0]:
             edges.append(f"{name}: lowest tried")
@@ -158,6 +165,7 @@ def tuned_settings(summary: Sequence[SummaryRow]) -> list[dict]:
                 "mean_loss": score.get(best),
                 "grid_edges": list(grid_edges(shared, best)) if best else [],
                 "grid_edges_at_R": {str(r.workers): list(r.grid_edges) for r in rows},
+                "best_at_R": {str(r.workers): [r.outer_lr, r.outer_momentum] for r in rows},
                 "incomplete": [describe_setting(s) for s in sorted(tried - shared, key=_sort_key)],
             }
         )
@@ -194,10 +202,10 @@ def best_in_group(summary: Sequence[SummaryRow], row: SummaryRow) -> SummaryRow:
 def format_difference(row: SummaryRow, other: SummaryRow | None, digits: int = 4) -> str:
     """``row - other`` paired by seed with its t-interval (see :func:`stats.format_interval`),
     ``(n=2)`` after it where fewer seeds pair up than either cell ran, or ``failed (seeds 0,
-    2)``: the shared seeds on which either run failed (no difference is formed)."""
+    2)``: the seeds on which either cell failed (no difference is formed)."""
     if other is None or row is other:
         return ""
-    failed = failed_shared_seeds(row, other)
+    failed = failed_seeds(row, other)
     if failed:
         return f"failed (seeds {', '.join(map(str, failed))})"
     interval = paired_interval(row.losses, other.losses)
@@ -207,10 +215,15 @@ def format_difference(row: SummaryRow, other: SummaryRow | None, digits: int = 4
     return text
 
 
-def failed_shared_seeds(row: SummaryRow, other: SummaryRow) -> list[int]:
-    """The seeds both cells ran on which either failed: no paired difference can be formed."""
-    shared = sorted(set(row.losses) & set(other.losses))
-    return [s for s in shared if math.isinf(row.losses[s]) or math.isinf(other.losses[s])]
+def failed_seeds(row: SummaryRow, other: SummaryRow) -> list[int]:
+    """The seeds on which either cell failed, whether or not the other ran them: no paired
+    difference is formed (dropping a failed seed would hide the failure)."""
+    seeds = sorted(set(row.losses) | set(other.losses))
+    return [
+        s
+        for s in seeds
+        if math.isinf(row.losses.get(s, 0.0)) or math.isinf(other.losses.get(s, 0.0))
+    ]
 
 
 SIGNIFICANCE_NOTE = (
