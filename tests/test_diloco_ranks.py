@@ -12,11 +12,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from fault_hook import FailsAfterStepping
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import mergekit_loco as ml
+from mergekit_loco.train import diloco
 
 
-def build(rank: int, change: str | None = None, seed: int = 0):
+def clip(value: float) -> float:
+    """A function an outer optimizer's param group may hold (a custom optimizer's hook)."""
+    return value
+
+
+def build(rank: int, change: str | None = None, seed: int = 0, zero: bool = False):
     """A small MLP, its inner SGD(s) and a Nesterov outer SGD; ``change`` makes rank 1 differ."""
     odd = rank == 1
     torch.manual_seed(seed + (rank if odd and change == "init" else 0))
@@ -29,7 +36,14 @@ def build(rank: int, change: str | None = None, seed: int = 0):
     workers = 2 if odd and change == "workers" else 1
     inners = [torch.optim.SGD(model.parameters(), lr=0.1) for _ in range(workers)]
     lr = 0.5 if odd and change == "outer lr" else 0.7
-    outer = FailsAfterStepping(model.parameters(), lr=lr, momentum=0.9, nesterov=True)
+    if zero:  # each rank steps its shard of the parameters and broadcasts it
+        outer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=lr,
+                                        momentum=0.9, nesterov=True)  # fmt: skip
+    else:
+        outer = FailsAfterStepping(model.parameters(), lr=lr, momentum=0.9, nesterov=True)
+    if change == "alike":  # the same settings, written with an address and a device
+        outer.param_groups[0]["hook"] = clip
+        outer.param_groups[0]["lr"] = torch.tensor(lr)
     driver = ml.DiLoCo(
         model,
         inners,
@@ -75,6 +89,9 @@ def refuse_ranks_built_differently(rank: int, store: str) -> None:
         with pytest.raises(ValueError, match=message), driver:
             pass
         assert not driver._hooks  # refused before any hook was registered
+    _, _, _, driver = build(rank, "alike")  # before: refused, "hook <function clip at 0x..."
+    with driver:
+        assert driver._hooks
     # a state of another round loaded on one rank, inside the block: refused at the next
     # inner step; outside it: at the next `with driver:`
     model, inners, _, driver = build(rank)
@@ -107,14 +124,23 @@ def fail_one_ranks_outer_step(rank: int, store: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=60))  # fmt: skip
 
-    def run(fail: bool) -> list[torch.Tensor]:
-        model, inners, outer, driver = build(rank)
+    real_copy = diloco.copy_optimizer_state
+
+    def copy_out_of_memory(*args):
+        diloco.copy_optimizer_state = real_copy
+        raise torch.OutOfMemoryError("out of memory (copying the outer state)")
+
+    def run(failure: str | None, zero: bool = False) -> list[torch.Tensor]:
+        model, inners, outer, driver = build(rank, zero=zero)
         with driver:
             for step in range(6):  # three rounds; rank 1's second outer step fails once
-                if fail and rank == 1 and step == 3:
-                    outer.armed = True
-                if fail and step == 3:
-                    expected = "device went away" if rank == 1 else "failed on rank 1; undone"
+                if failure and step == 3:
+                    if rank == 1 and failure == "mid-step":
+                        outer.armed = True
+                    elif rank == 1:  # before the step: the others must not wait for it
+                        diloco.copy_optimizer_state = copy_out_of_memory
+                    own = "device went away" if failure == "mid-step" else "out of memory"
+                    expected = own if rank == 1 else "failed on rank 1; undone"
                     with pytest.raises(RuntimeError, match=expected):
                         inner_step(model, inners[0], rank, step)
                     assert driver.outer_steps == 1
@@ -124,9 +150,12 @@ def fail_one_ranks_outer_step(rank: int, store: str) -> None:
         assert driver.outer_steps == 3
         return [p.detach().clone() for p in model.parameters()]
 
-    retried, plain = run(fail=True), run(fail=False)
-    for got, expected in zip(retried, plain, strict=True):
-        assert torch.equal(got, expected)
+    plain = run(None)
+    # a ZeroRedundancyOptimizer outer step (before: its state_dict(), a collective, was
+    # copied before every step and refused) ends where plain SGD does
+    for failure, zero in (("mid-step", False), ("copying the state", False), (None, True)):
+        for got, expected in zip(run(failure, zero), plain, strict=True):
+            assert torch.equal(got, expected), (failure, zero)
     # OuterOptimizer alike: rank 1's step overflows float16, rank 0's does not
     start = 6e4 if rank == 1 else 1.0
     params = {"w": torch.full((2,), start, dtype=torch.float16)}

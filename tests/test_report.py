@@ -249,6 +249,7 @@ def test_the_same_difference_on_every_seed_is_no_interval():
     failed = {"a": {0: math.inf, 1: 4.0, 2: 4.1}, "b": {0: 4.2, 1: math.inf, 2: 4.3}}
     assert ordering(failed) == "a ~ b"
     assert format_interval(paired_interval(failed["a"], failed["b"])) == "-"
+    assert math.isnan(spread([1e308, 1e308, math.inf, -math.inf]).mean)  # overflow path too
 
 
 @pytest.mark.parametrize("confidence", [95, 1.0, 0, -0.5, math.nan, True, "0.95"])

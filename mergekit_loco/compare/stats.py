@@ -39,12 +39,13 @@ def spread(values: Iterable[float]) -> Spread:
     if not values:
         raise ValueError("spread of no values")
     n = len(values)
-    try:
-        mean = math.fsum(values) / n
-    except OverflowError:  # values near the float maximum (a damaged file): the same, scaled
-        mean = math.fsum(v / n for v in values)
-    except ValueError:  # inf and -inf (a failed run on each side of a difference): no mean
+    if math.inf in values and -math.inf in values:  # a failed run on each side: no mean
         mean = math.nan
+    else:
+        try:
+            mean = math.fsum(values) / n
+        except OverflowError:  # values near the float maximum (a damaged file): the same, scaled
+            mean = math.fsum(v / n for v in values)
     if n < 2 or not all(math.isfinite(v) for v in values):
         std = math.nan
     else:

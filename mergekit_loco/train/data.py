@@ -169,9 +169,10 @@ def prepare_data(
 
 
 def token_digest(train: torch.Tensor, val: torch.Tensor) -> str:
-    """sha256 of the train and validation token ids as stored (int32), which the token cache
-    holds to prove its tokens (torch.load checks no checksum of the data it reads)."""
-    digest = hashlib.sha256()
+    """sha256 of the two lengths and the train and validation token ids as stored (int32),
+    which the token cache holds to prove its tokens (torch.load checks no checksum of the data
+    it reads)."""
+    digest = hashlib.sha256(f"{train.numel()} {val.numel()}\n".encode())
     for tokens in (train, val):
         digest.update(tokens.contiguous().numpy().tobytes())
     return digest.hexdigest()

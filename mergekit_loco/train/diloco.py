@@ -162,16 +162,46 @@ def check_shapes_fit(
             )
 
 
-def copied_state(value: Any, device: torch.device | None) -> Any:
-    """A deep copy of an optimizer's ``state_dict()``, its per-parameter tensors on ``device``
-    (None: where they are); scalars such as Adam's step stay where torch keeps them."""
-    if torch.is_tensor(value):
-        return value.detach().to(device if device and value.dim() > 0 else value.device, copy=True)
-    if isinstance(value, Mapping):
-        return {key: copied_state(item, device) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(copied_state(item, device) for item in value)
-    return copy.deepcopy(value)
+StateCopy = list[tuple[dict, dict[Any, dict[str, tuple[Any, Any]]]]]
+
+
+def copy_optimizer_state(outer: torch.optim.Optimizer, device: torch.device | None) -> StateCopy:
+    """A copy of ``outer.state`` (each parameter's buffers, moments, step counts), and of the
+    optimizer it wraps (``ZeroRedundancyOptimizer.optim``, whose ``state_dict()`` would be a
+    collective): per entry the tensor itself and its copy (on ``device``, None: where it is;
+    0-dim tensors such as Adam's step stay where torch keeps them)."""
+    holders = [outer.state]
+    wrapped = getattr(outer, "optim", None)
+    if isinstance(wrapped, torch.optim.Optimizer):
+        holders.append(wrapped.state)
+
+    def copied(value: Any) -> tuple[Any, Any]:
+        if torch.is_tensor(value):
+            where = device if device is not None and value.dim() > 0 else value.device
+            return value, value.detach().to(where, copy=True)
+        return None, copy.deepcopy(value)
+
+    return [
+        (holder, {p: {k: copied(v) for k, v in entry.items()} for p, entry in holder.items()})
+        for holder in holders
+    ]
+
+
+def restore_optimizer_state(saved: StateCopy) -> None:
+    """Put back :func:`copy_optimizer_state`'s copy: into the very tensors where they are
+    still there (their dtype, device and identity kept, as a captured graph needs), state that
+    parameters gained since dropped."""
+    for holder, entries in saved:
+        for param in [p for p in holder if p not in entries]:
+            del holder[param]
+        for param, entry in entries.items():
+            restored = {}
+            for key, (original, value) in entry.items():
+                if original is None:
+                    restored[key] = copy.deepcopy(value)
+                else:
+                    restored[key] = original.copy_(value)
+            holder[param] = restored
 
 
 @torch.no_grad()
@@ -205,13 +235,15 @@ def apply_pseudo_gradient(
             )
         if not torch.isfinite(merged[name]).all():
             raise FloatingPointError(f"non-finite pseudo-gradient for {name!r}; params kept")
-    if previous is None:
-        previous = {
-            n: p.detach().to(backup_device or p.device, copy=True) for n, p in params.items()
-        }
-    state = copied_state(outer.state_dict(), backup_device)
+    state = None
     try:
         try:
+            if previous is None:
+                previous = {
+                    n: p.detach().to(backup_device or p.device, copy=True)
+                    for n, p in params.items()
+                }
+            state = copy_optimizer_state(outer, backup_device)
             for name, param in params.items():
                 param.grad = -merged[name].to(device=param.device, dtype=param.dtype)
             outer.step()
@@ -221,7 +253,7 @@ def apply_pseudo_gradient(
                         f"the outer step left parameter {name!r} not finite (its {param.dtype} "
                         "overflows: a smaller outer lr, or a wider dtype)"
                     )
-        except Exception:
+        except BaseException:  # a copy out of memory included: the others wait in agree
             if agree is not None:  # the other ranks learn of it and undo their steps
                 with contextlib.suppress(Exception):
                     agree(False)
@@ -231,10 +263,26 @@ def apply_pseudo_gradient(
         if agree is not None:
             agree(True)
     except BaseException:  # half a step, an overflow, another rank's failure: undone
-        for name, param in params.items():
-            param.copy_(previous[name])
-        outer.load_state_dict(state)
+        if state is not None:  # else the step never began
+            for name, param in params.items():
+                param.copy_(previous[name])
+            restore_optimizer_state(state)
         raise
+
+
+def setting_text(value: Any) -> str:
+    """An outer optimizer setting as every rank that holds the same one writes it: numbers and
+    strings by repr, a tensor by its values and dtype (not its device: each rank's own GPU), a
+    function or class by its qualified name (not its address); anything else by its type."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return repr(value)
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(setting_text(item) for item in value) + "]"
+    if torch.is_tensor(value):
+        return f"tensor({value.detach().cpu().tolist()}, {value.dtype})"
+    if callable(value) and hasattr(value, "__qualname__"):
+        return f"{getattr(value, '__module__', '')}.{value.__qualname__}"
+    return type(value).__qualname__
 
 
 def first_difference(mine: Any, theirs: Any) -> str:
@@ -453,7 +501,7 @@ class DiLoCo:
         """What every rank's driver must hold alike, as ``(label, value)`` pairs."""
         outer = self.outer_optimizer
         groups = [
-            {key: repr(value) for key, value in group.items() if key != "params"}
+            {key: setting_text(value) for key, value in group.items() if key != "params"}
             | {"parameters": len(group["params"])}
             for group in outer.param_groups
         ]
